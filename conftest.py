@@ -1,0 +1,13 @@
+"""Test-wide setup: eight simulated CPU devices, set before JAX starts a backend.
+
+Lives at the repository root so that it runs before the doctests of the package
+and the tests alike import JAX.
+"""
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax
+
+jax.config.update("jax_num_cpu_devices", 8)

@@ -1,0 +1,31 @@
+"""optax_gsam: sharpness-aware training (GSAM, SAM) as optax transformations.
+
+The whole public API is listed in ``__all__`` below; everything under
+``optax_gsam._src`` is private.
+"""
+
+from optax_gsam._src.perturbation import GradientStats
+from optax_gsam._src.perturbation import decompose
+from optax_gsam._src.perturbation import global_norm
+from optax_gsam._src.perturbation import gradient_stats
+from optax_gsam._src.perturbation import perturbation
+from optax_gsam._src.schedules import rho_from_lr
+from optax_gsam._src.schedules import schedule_extrema
+from optax_gsam._src.sharpness import GSAMState
+from optax_gsam._src.sharpness import gsam
+from optax_gsam._src.sharpness import sam
+
+__version__ = "0.1.0"
+
+__all__ = (
+  "GSAMState",
+  "GradientStats",
+  "decompose",
+  "global_norm",
+  "gradient_stats",
+  "gsam",
+  "perturbation",
+  "rho_from_lr",
+  "sam",
+  "schedule_extrema",
+)

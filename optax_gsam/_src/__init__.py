@@ -1,0 +1,1 @@
+"""Private implementation of optax_gsam; import from :mod:`optax_gsam` instead."""

@@ -1,0 +1,124 @@
+"""rho_from_lr against the formula, with derived and explicit lr bounds."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import optax_gsam
+
+
+def legacy_rho(lr, rho_max, rho_min, lr_max, lr_min):
+  """big_vision's unclamped linear map of the absolute learning rate."""
+  return rho_min + (rho_max - rho_min) * (lr - lr_min) / (lr_max - lr_min)
+
+
+SCHEDULES = {
+  "warmup_linear": (
+    optax.join_schedules(
+      [optax.linear_schedule(0.0, 3e-3, 100), optax.linear_schedule(3e-3, 3e-5, 900)], [100]
+    ),
+    3e-3,
+    3e-5,
+  ),
+  "warmup_cosine": (optax.warmup_cosine_decay_schedule(1e-5, 1e-3, 50, 1000, 2e-5), 1e-3, 2e-5),
+  "cosine_no_warmup": (optax.cosine_decay_schedule(0.1, 1000, alpha=0.01), 0.1, 0.001),
+  "piecewise": (optax.piecewise_constant_schedule(0.1, {300: 0.1, 600: 0.1}), 0.1, 0.1 * 0.01),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+def test_derived_bounds_equal_explicit_bounds(name):
+  schedule, lr_max, lr_min = SCHEDULES[name]
+  derived = optax_gsam.rho_from_lr(schedule, 0.6, 0.1, num_steps=1000, clamp=False)
+  explicit = optax_gsam.rho_from_lr(schedule, 0.6, 0.1, lr_max=lr_max, lr_min=lr_min, clamp=False)
+  steps = jnp.arange(0, 1001, 7)
+  np.testing.assert_allclose(
+    jax.vmap(derived)(steps), jax.vmap(explicit)(steps), rtol=1e-5, atol=1e-6
+  )
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+@pytest.mark.parametrize("clamp", [True, False])
+def test_rho_follows_formula(name, clamp):
+  schedule, lr_max, lr_min = SCHEDULES[name]
+  rho = optax_gsam.rho_from_lr(schedule, 0.6, 0.1, num_steps=1000, clamp=clamp)
+  for step in (0, 1, 25, 100, 101, 500, 999, 1000):
+    lr = float(schedule(step))
+    expected = legacy_rho(lr, 0.6, 0.1, lr_max, lr_min)
+    if clamp:
+      expected = min(max(expected, 0.1), 0.6)
+    assert float(rho(step)) == pytest.approx(expected, rel=1e-5, abs=1e-6), step
+
+
+def test_peak_and_end_values():
+  schedule, _, _ = SCHEDULES["warmup_linear"]
+  rho = optax_gsam.rho_from_lr(schedule, 0.6, 0.1, num_steps=1000)
+  assert float(rho(100)) == pytest.approx(0.6)
+  assert float(rho(1000)) == pytest.approx(0.1)
+
+
+def test_unclamped_goes_below_rho_min_during_warmup_and_clamped_does_not():
+  schedule, _, _ = SCHEDULES["warmup_linear"]
+  raw = optax_gsam.rho_from_lr(schedule, 0.6, 0.1, num_steps=1000, clamp=False)
+  clamped = optax_gsam.rho_from_lr(schedule, 0.6, 0.1, num_steps=1000)
+  assert float(raw(0)) < 0.1  # lr=0 is below lr_min.
+  assert float(clamped(0)) == pytest.approx(0.1)
+  # With rho_min=0 the legacy formula gives a negative radius: an ascent turned descent.
+  raw = optax_gsam.rho_from_lr(schedule, 0.6, 0.0, num_steps=1000, clamp=False)
+  assert float(raw(0)) < 0.0
+
+
+@pytest.mark.parametrize("lr", [1e-3, optax.constant_schedule(1e-3)])
+def test_constant_lr_gives_rho_max(lr):
+  rho = optax_gsam.rho_from_lr(lr, 0.6, 0.1, num_steps=50)
+  np.testing.assert_allclose(jax.vmap(rho)(jnp.arange(60)), 0.6)
+
+
+def test_float_lr_needs_no_num_steps():
+  assert float(optax_gsam.rho_from_lr(3e-3, 0.5, 0.1)(7)) == pytest.approx(0.5)
+
+
+def test_one_bound_explicit_other_derived():
+  schedule, lr_max, _ = SCHEDULES["warmup_cosine"]
+  rho = optax_gsam.rho_from_lr(schedule, 0.6, 0.1, num_steps=1000, lr_min=0.0, clamp=False)
+  assert float(rho(50)) == pytest.approx(0.6)
+  assert float(rho(1000)) == pytest.approx(legacy_rho(2e-5, 0.6, 0.1, lr_max, 0.0), rel=1e-5)
+
+
+def test_schedule_extrema():
+  schedule, lr_max, lr_min = SCHEDULES["warmup_linear"]
+  peak, final = optax_gsam.schedule_extrema(schedule, 1000)
+  assert peak == pytest.approx(lr_max, rel=1e-5) and final == pytest.approx(lr_min, rel=1e-5)
+
+
+def test_works_as_gsam_rho_under_jit():
+  schedule, _, _ = SCHEDULES["warmup_cosine"]
+  rho = optax_gsam.rho_from_lr(schedule, 0.6, 0.1, num_steps=1000)
+  assert float(jax.jit(rho)(jnp.int32(50))) == pytest.approx(0.6)
+
+
+BAD = [
+  (dict(rho_max=0.1, rho_min=0.6, num_steps=10), "rho_min"),
+  (dict(rho_max=-0.1, rho_min=0.0, num_steps=10), "rho_max"),
+  (dict(rho_max=0.6, rho_min=-0.1, num_steps=10), "rho_min"),
+  (dict(rho_max=0.6, rho_min=0.1), "num_steps"),
+  (dict(rho_max=0.6, rho_min=0.1, lr_max=1e-3), "num_steps"),
+  (dict(rho_max=0.6, rho_min=0.1, num_steps=0), "num_steps"),
+  (dict(rho_max=0.6, rho_min=0.1, num_steps=10.5), "num_steps"),
+  (dict(rho_max=0.6, rho_min=0.1, lr_max=1e-4, lr_min=1e-3), "lr_min"),
+  (dict(rho_max=0.6, rho_min=0.1, lr_max=-1.0, lr_min=-2.0), "lr_max"),
+  (dict(rho_max=0.6, rho_min=0.1, num_steps=10, clamp="yes"), "clamp"),
+]
+
+
+@pytest.mark.parametrize("kwargs,name", BAD, ids=str)
+def test_bad_arguments(kwargs, name):
+  with pytest.raises(ValueError, match=name):
+    optax_gsam.rho_from_lr(optax.linear_schedule(1e-3, 0.0, 10), **kwargs)
+
+
+def test_non_finite_schedule_is_rejected():
+  with pytest.raises(ValueError, match="non-finite"):
+    optax_gsam.rho_from_lr(lambda c: jnp.log(c * 0.0), 0.6, 0.1, num_steps=10)

@@ -1,0 +1,324 @@
+"""gsam/sam against an independent float64 reference, optax.contrib.sam and optax."""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from _problems import flatten
+from _problems import make_problem
+from _problems import unflatten
+
+import optax_gsam
+
+EPS = 1e-12
+
+
+def reference_gsam_direction(w, g_c, grad_np, rho, alpha, adaptive, minimize_fp, like):
+  """The GSAM update direction, written from the paper's formulas (numpy, float64)."""
+  if adaptive is None:
+    e = rho * g_c / (np.linalg.norm(g_c) + EPS)
+  elif adaptive == "gsam":
+    e = rho * np.abs(w) * g_c / (np.linalg.norm(g_c) + EPS)
+  else:  # asam
+    e = rho * w**2 * g_c / (np.linalg.norm(np.abs(w) * g_c) + EPS)
+  g_p = flatten(grad_np(unflatten(w + e, like)))
+  if minimize_fp:
+    return g_p - alpha * (g_c - g_c @ g_p / (g_p @ g_p) * g_p)
+  return g_c + alpha * (g_p - g_p @ g_c / (g_c @ g_c) * g_c)
+
+
+CASES = [
+  dict(adaptive=a, minimize_fp=m, alpha=al, scheduled=s)
+  for a, m, al, s in itertools.product(
+    [None, "gsam", "asam"], [True, False], [0.0, 0.4], [False, True]
+  )
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+def test_gsam_matches_float64_reference_over_steps(case):
+  lr, num_steps = 0.05, 5
+  rho_fn = optax.linear_schedule(0.3, 0.05, num_steps) if case["scheduled"] else None
+  with jax.enable_x64(True):
+    params, loss_jax, _, grad_np = make_problem(seed=1)
+    rho = rho_fn if case["scheduled"] else 0.2
+    tx = optax.chain(
+      optax_gsam.gsam(
+        rho, case["alpha"], adaptive=case["adaptive"], minimize_fp=case["minimize_fp"]
+      ),
+      optax.sgd(lr),
+    )
+    p = jax.tree.map(jnp.asarray, params)
+    state = tx.init(p)
+    w_ref = flatten(params)
+    for t in range(num_steps):
+      grads = jax.grad(loss_jax)(p)
+      updates, state = tx.update(grads, state, p, loss_fn=loss_jax)
+      p = optax.apply_updates(p, updates)
+
+      # Step counts are int32, as in optax; the schedule's value at such a count.
+      rho_t = float(rho_fn(jnp.int32(t))) if case["scheduled"] else 0.2
+      g_c = flatten(grad_np(unflatten(w_ref, params)))
+      direction = reference_gsam_direction(
+        w_ref, g_c, grad_np, rho_t, case["alpha"], case["adaptive"], case["minimize_fp"], params
+      )
+      w_ref = w_ref - lr * direction
+      np.testing.assert_allclose(flatten(p), w_ref, rtol=1e-10, atol=1e-12)
+      assert float(optax.tree.get(state, "rho")) == pytest.approx(rho_t, rel=1e-6)
+    assert int(optax.tree.get(state, "count")) == num_steps
+
+
+def test_diagnostics_match_reference():
+  with jax.enable_x64(True):
+    params, loss_jax, loss_np, grad_np = make_problem(seed=2)
+    rho = 0.25
+    tx = optax_gsam.gsam(rho, 0.3)
+    p = jax.tree.map(jnp.asarray, params)
+    loss, grads = jax.value_and_grad(loss_jax)(p)
+    _, state = tx.update(grads, tx.init(p), p, loss_fn=loss_jax, value=loss)
+
+    g_c = flatten(grad_np(params))
+    w_p = flatten(params) + rho * g_c / np.linalg.norm(g_c)
+    f_p = loss_np(unflatten(w_p, params))
+    g_p = flatten(grad_np(unflatten(w_p, params)))
+    expected = dict(
+      perturbed_loss=f_p,
+      surrogate_gap=f_p - loss_np(params),
+      cosine=g_c @ g_p / np.linalg.norm(g_c) / np.linalg.norm(g_p),
+      clean_grad_norm=np.linalg.norm(g_c),
+      perturbed_grad_norm=np.linalg.norm(g_p),
+      rho=rho,
+    )
+  # Diagnostics are stored in float32.
+  for name, value in expected.items():
+    assert float(getattr(state, name)) == pytest.approx(value, rel=2e-6), name
+  assert state.surrogate_gap > 0
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_sam_equals_optax_contrib_sam(optimizer):
+  rho, lr = 0.1, 0.03
+  make_opt = {"sgd": lambda: optax.sgd(lr, momentum=0.9), "adam": lambda: optax.adam(lr)}[optimizer]
+  with jax.enable_x64(True):
+    params, loss_jax, _, _ = make_problem(seed=3)
+    p_ours = p_theirs = jax.tree.map(jnp.asarray, params)
+    ours = optax.chain(optax_gsam.sam(rho), make_opt())
+    theirs = optax.contrib.sam(
+      make_opt(),
+      optax.chain(optax.contrib.normalize(), optax.sgd(rho)),
+      opaque_mode=True,
+    )
+    s_ours, s_theirs = ours.init(p_ours), theirs.init(p_theirs)
+    grad_fn = jax.grad(loss_jax)
+    for _ in range(6):
+      u, s_ours = ours.update(grad_fn(p_ours), s_ours, p_ours, loss_fn=loss_jax)
+      p_ours = optax.apply_updates(p_ours, u)
+      u, s_theirs = theirs.update(
+        grad_fn(p_theirs), s_theirs, p_theirs, grad_fn=lambda q, _: grad_fn(q)
+      )
+      p_theirs = optax.apply_updates(p_theirs, u)
+    chex_close = optax.tree.allclose(p_ours, p_theirs, rtol=1e-9, atol=1e-12)
+    assert bool(chex_close)
+    # The problem is non-degenerate: SAM moved away from plain gradient descent.
+    moved = jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b))), p_ours, params)
+    assert min(jax.tree.leaves(moved)) > 1e-3
+
+
+def test_sam_is_gsam_with_zero_alpha_and_both_branches():
+  params, loss_jax, _, _ = make_problem(seed=4)
+  p = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
+  grads = jax.grad(loss_jax)(p)
+  out = {}
+  for name, tx in {
+    "sam": optax_gsam.sam(0.1),
+    "gsam_fp": optax_gsam.gsam(0.1, 0.0, minimize_fp=True),
+    "gsam_traced_alpha": optax.inject_hyperparams(optax_gsam.gsam)(rho=0.1, alpha=0.0),
+  }.items():
+    out[name], _ = tx.update(grads, tx.init(p), p, loss_fn=loss_jax)
+  for name in ("gsam_fp", "gsam_traced_alpha"):
+    chex_equal = jax.tree.map(
+      lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), out["sam"], out[name]
+    )
+    del chex_equal
+  # minimize_fp=False with alpha=0 is the clean gradient.
+  tx = optax_gsam.gsam(0.1, 0.0, minimize_fp=False)
+  clean, _ = tx.update(grads, tx.init(p), p, loss_fn=loss_jax)
+  jax.tree.map(np.testing.assert_array_equal, clean, grads)
+
+
+def test_value_and_grad_fn_with_aux_equals_loss_fn():
+  params, loss_jax, _, _ = make_problem(seed=5)
+  p = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
+  grads = jax.grad(loss_jax)(p)
+  tx = optax_gsam.gsam(0.1, 0.5)
+  a, sa = tx.update(grads, tx.init(p), p, loss_fn=loss_jax)
+  vg = jax.value_and_grad(lambda q: (loss_jax(q), {"aux": 1.0}), has_aux=True)
+  b, sb = tx.update(grads, tx.init(p), p, value_and_grad_fn=vg)
+  jax.tree.map(np.testing.assert_array_equal, a, b)
+  assert sa.perturbed_loss == sb.perturbed_loss
+
+
+def test_chain_passes_extra_args_and_ignores_unknown_ones():
+  params, loss_jax, _, _ = make_problem(seed=6)
+  p = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
+  tx = optax.chain(
+    optax_gsam.gsam(0.1, 0.2),
+    optax.clip_by_global_norm(1.0),
+    optax.adamw(1e-3, weight_decay=0.1),
+  )
+  state = tx.init(p)
+  loss, grads = jax.value_and_grad(loss_jax)(p)
+  updates, state = tx.update(
+    grads, state, p, loss_fn=loss_jax, value=loss, some_unknown_arg=jnp.ones(3)
+  )
+  assert jax.tree.structure(updates) == jax.tree.structure(p)
+  assert float(optax.tree.get(state, "surrogate_gap")) != 0.0
+
+
+def test_inject_hyperparams_matches_plain_and_can_be_changed():
+  params, loss_jax, _, _ = make_problem(seed=7)
+  p = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
+  grads = jax.grad(loss_jax)(p)
+  schedule = optax.linear_schedule(0.2, 0.02, 10)
+  plain = optax_gsam.gsam(schedule, 0.3)
+  injected = optax.inject_hyperparams(optax_gsam.gsam)(rho=schedule, alpha=0.3)
+  s_plain, s_inj = plain.init(p), injected.init(p)
+  for _ in range(3):
+    u_plain, s_plain = plain.update(grads, s_plain, p, loss_fn=loss_jax)
+    u_inj, s_inj = injected.update(grads, s_inj, p, loss_fn=loss_jax)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), u_plain, u_inj)
+  # Changing alpha in the injected state changes the output.
+  s_inj.hyperparams["alpha"] = jnp.asarray(0.9, jnp.float32)
+  u_changed, _ = injected.update(grads, s_inj, p, loss_fn=loss_jax)
+  u_same, _ = plain.update(grads, s_plain, p, loss_fn=loss_jax)
+  assert not optax.tree.allclose(u_changed, u_same)
+
+
+def test_jit_does_not_recompile_on_second_call():
+  params, loss_jax, _, _ = make_problem(seed=8)
+  p = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
+  tx = optax.chain(
+    optax_gsam.gsam(
+      optax_gsam.rho_from_lr(optax.cosine_decay_schedule(0.1, 20), 0.2, 0.05, num_steps=20), 0.3
+    ),
+    optax.sgd(0.1),
+  )
+  traces = []
+
+  @jax.jit
+  def step(p, state):
+    traces.append(1)
+    loss, grads = jax.value_and_grad(loss_jax)(p)
+    updates, state = tx.update(grads, state, p, loss_fn=loss_jax, value=loss)
+    return optax.apply_updates(p, updates), state
+
+  state = tx.init(p)
+  for _ in range(4):
+    p, state = step(p, state)
+  assert len(traces) == 1
+
+
+def test_bfloat16_params_keep_dtype_and_agree_with_float32():
+  params, loss_jax, _, _ = make_problem(seed=9)
+  out = {}
+  for dtype in (jnp.float32, jnp.bfloat16):
+    p = jax.tree.map(lambda x, dtype=dtype: jnp.asarray(x, dtype), params)
+    grads = jax.grad(loss_jax)(p)
+    tx = optax_gsam.gsam(0.1, 0.4, adaptive="gsam")
+    out[dtype], state = tx.update(grads, tx.init(p), p, loss_fn=loss_jax)
+    assert all(x.dtype == dtype for x in jax.tree.leaves(out[dtype]))
+    assert state.cosine.dtype == jnp.float32
+  for a, b in zip(
+    jax.tree.leaves(out[jnp.float32]), jax.tree.leaves(out[jnp.bfloat16]), strict=False
+  ):
+    np.testing.assert_allclose(np.asarray(b, np.float32), a, rtol=0.05, atol=0.05 * np.abs(a).max())
+
+
+def test_mixed_dtype_tree():
+  params = {"a": jnp.ones(3, jnp.bfloat16), "b": jnp.ones(2, jnp.float32)}
+  loss_fn = lambda p: jnp.sum(p["a"].astype(jnp.float32) ** 3) + jnp.sum(jnp.sin(p["b"]))
+  tx = optax_gsam.gsam(0.1, 0.5)
+  updates, _ = tx.update(jax.grad(loss_fn)(params), tx.init(params), params, loss_fn=loss_fn)
+  assert updates["a"].dtype == jnp.bfloat16 and updates["b"].dtype == jnp.float32
+
+
+@pytest.mark.parametrize("adaptive", [None, "gsam", "asam"])
+@pytest.mark.parametrize("minimize_fp", [True, False])
+def test_zero_gradient_gives_finite_zero_update(adaptive, minimize_fp):
+  p = {"w": jnp.ones((3, 2)), "b": jnp.zeros(2)}
+  loss_fn = lambda q: 0.0 * jnp.sum(q["w"]) + 3.0
+  tx = optax_gsam.gsam(0.1, 0.5, adaptive=adaptive, minimize_fp=minimize_fp)
+  updates, state = tx.update(jax.grad(loss_fn)(p), tx.init(p), p, loss_fn=loss_fn, value=3.0)
+  for leaf in jax.tree.leaves(updates):
+    np.testing.assert_array_equal(leaf, 0.0)
+  for leaf in jax.tree.leaves(state):
+    assert np.all(np.isfinite(leaf))
+
+
+def test_multisteps_accumulates_then_applies_gsam_once_per_emitted_step():
+  params, loss_jax, _, _ = make_problem(seed=10)
+  p = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
+  tx = optax.MultiSteps(optax.chain(optax_gsam.gsam(0.1, 0.3), optax.sgd(0.1)), every_k_schedule=3)
+  state = tx.init(p)
+  for i in range(6):
+    grads = jax.grad(loss_jax)(p)
+    updates, state = tx.update(grads, state, p, loss_fn=loss_jax)
+    if i % 3 != 2:
+      assert all(float(jnp.abs(x).max()) == 0.0 for x in jax.tree.leaves(updates))
+    p = optax.apply_updates(p, updates)
+  # The transform's count (and so rho schedules) advances once per emitted update.
+  assert int(state.inner_opt_state[0].count) == 2
+
+
+BAD_CONSTRUCTION = [
+  (dict(rho=-0.1), "rho"),
+  (dict(rho=float("nan")), "rho"),
+  (dict(rho=0.1, alpha=-1.0), "alpha"),
+  (dict(rho=0.1, alpha=float("inf")), "alpha"),
+  (dict(rho=0.1, eps=0.0), "eps"),
+  (dict(rho=0.1, eps=-1e-9), "eps"),
+  (dict(rho=0.1, adaptive="bogus"), "adaptive"),
+  (dict(rho=0.1, adaptive=True), "adaptive"),
+  (dict(rho=0.1, minimize_fp="yes"), "minimize_fp"),
+  (dict(rho=0.1, sync_perturbation=1), "sync_perturbation"),
+  (dict(rho=0.1, sync_perturbation=True), "axis_name"),
+  (dict(rho=0.1, axis_name=["batch"]), "axis_name"),
+  (dict(rho=True), "rho"),
+]
+
+
+@pytest.mark.parametrize("kwargs,name", BAD_CONSTRUCTION, ids=lambda x: str(x))
+def test_bad_construction_raises_naming_argument(kwargs, name):
+  with pytest.raises(ValueError, match=name):
+    optax_gsam.gsam(**kwargs)
+
+
+def test_sam_validates_too():
+  with pytest.raises(ValueError, match="rho"):
+    optax_gsam.sam(-1.0)
+  with pytest.raises(ValueError, match="adaptive"):
+    optax_gsam.sam(0.1, adaptive="adam")
+
+
+def test_update_requires_exactly_one_loss_function_and_params():
+  p = jnp.ones(3)
+  tx = optax_gsam.gsam(0.1)
+  state = tx.init(p)
+  loss_fn = lambda w: jnp.sum(w**2)
+  with pytest.raises(ValueError, match=r"loss_fn.*value_and_grad_fn"):
+    tx.update(p, state, p)
+  with pytest.raises(ValueError, match=r"loss_fn.*value_and_grad_fn"):
+    tx.update(p, state, p, loss_fn=loss_fn, value_and_grad_fn=jax.value_and_grad(loss_fn))
+  with pytest.raises(ValueError, match="params"):
+    tx.update(p, state, None, loss_fn=loss_fn)
+  with pytest.raises(ValueError, match="structure"):
+    tx.update({"a": p}, state, p, loss_fn=loss_fn)
+  with pytest.raises(ValueError, match="callable"):
+    tx.update(p, state, p, loss_fn=3.0)
+  with pytest.raises((TypeError, ValueError), match="scalar"):
+    tx.update(p, state, p, loss_fn=lambda w: w)
+  with pytest.raises(ValueError, match="scalar"):
+    tx.update(p, state, p, value_and_grad_fn=lambda w: (w, w))
