@@ -4,11 +4,15 @@ The whole public API is listed in ``__all__`` below; everything under
 ``optax_gsam._src`` is private.
 """
 
+from optax_gsam._src.distributed import data_parallel
+from optax_gsam._src.distributed import emulate_devices
 from optax_gsam._src.perturbation import GradientStats
 from optax_gsam._src.perturbation import decompose
 from optax_gsam._src.perturbation import global_norm
 from optax_gsam._src.perturbation import gradient_stats
+from optax_gsam._src.perturbation import orthogonal_component
 from optax_gsam._src.perturbation import perturbation
+from optax_gsam._src.perturbation import reuse_correction
 from optax_gsam._src.schedules import rho_from_lr
 from optax_gsam._src.schedules import schedule_extrema
 from optax_gsam._src.sharpness import GSAMState
@@ -20,11 +24,15 @@ __version__ = "0.1.0"
 __all__ = (
   "GSAMState",
   "GradientStats",
+  "data_parallel",
   "decompose",
+  "emulate_devices",
   "global_norm",
   "gradient_stats",
   "gsam",
+  "orthogonal_component",
   "perturbation",
+  "reuse_correction",
   "rho_from_lr",
   "sam",
   "schedule_extrema",

@@ -199,3 +199,46 @@ def decompose(
       return _upcast(b) + alpha * (_upcast(o) - coefficient * _upcast(b))
 
   return jax.tree.map(lambda b, o, ref: combine(b, o).astype(ref.dtype), base, other, clean_grads)
+
+
+def orthogonal_component(
+  grads: optax.Updates, reference: optax.Updates, *, eps: float = 1e-12
+) -> optax.Updates:
+  r"""The part of ``grads`` orthogonal to ``reference``.
+
+  .. math::
+
+    g^{\perp} = g - \frac{\langle g, r\rangle}{\|r\|(\|r\| + \varepsilon)} r
+
+  Returns ``grads`` unchanged when ``reference`` is zero.
+  """
+  stats = gradient_stats(reference, grads)
+  coefficient = stats.perturbed_norm * stats.cosine / (stats.clean_norm + eps)
+  return jax.tree.map(
+    lambda g, r: (_upcast(g) - coefficient * _upcast(r)).astype(g.dtype), grads, reference
+  )
+
+
+def reuse_correction(
+  clean_grads: optax.Updates,
+  correction: optax.Updates,
+  weight: jax.Array | float,
+  *,
+  eps: float = 1e-12,
+) -> optax.Updates:
+  r"""LookSAM's cheap step: the clean gradient plus a stored orthogonal direction.
+
+  .. math::
+
+    g = g_c + \lambda \frac{\|g_c\|}{\|v\| + \varepsilon} v
+
+  where :math:`v` is the component, orthogonal to the clean gradient, of the
+  last fully computed (G)SAM gradient and :math:`\lambda` the reuse weight.
+
+  Returns:
+    :math:`g`, with the dtype of each ``clean_grads`` leaf.
+  """
+  scale = weight * global_norm(clean_grads) / (global_norm(correction) + eps)
+  return jax.tree.map(
+    lambda g, v: (_upcast(g) + scale * _upcast(v)).astype(g.dtype), clean_grads, correction
+  )

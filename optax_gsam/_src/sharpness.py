@@ -37,6 +37,8 @@ class GSAMState(NamedTuple):
     cosine: cosine between the clean and the perturbed gradient.
     clean_grad_norm: :math:`\\|g_c\\|`.
     perturbed_grad_norm: :math:`\\|g_p\\|`.
+    correction: with ``perturb_every > 1``, the stored direction :math:`v`
+      reused on cheap steps (params-shaped); ``None`` otherwise.
   """
 
   count: jax.Array
@@ -46,6 +48,7 @@ class GSAMState(NamedTuple):
   cosine: jax.Array
   clean_grad_norm: jax.Array
   perturbed_grad_norm: jax.Array
+  correction: optax.Updates | None = None
 
 
 def _check_axis_name(axis_name) -> None:
@@ -108,6 +111,34 @@ def _is_static_zero(value) -> bool:
   return isinstance(value, numbers.Real) and value == 0
 
 
+def _check_static_count(name: str, value, minimum: int) -> None:
+  if value is None:
+    return
+  if isinstance(value, jax.core.Tracer):
+    raise ValueError(
+      f"{name} must be a static Python int; with optax.inject_hyperparams pass "
+      f"static_args=({name!r},)."
+    )
+  if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+    raise ValueError(f"{name} must be None or an int >= {minimum}, got {value!r}.")
+
+
+def _all_finite(tree) -> jax.Array:
+  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
+
+
+def _accumulator(tree):
+  """Zeros shaped like ``tree`` in the accumulation dtype (float32 at least)."""
+  return jax.tree.map(lambda x: jnp.zeros(x.shape, pert.accumulation_dtype(x.dtype)), tree)
+
+
+def _tree_accumulate(total, tree):
+  return jax.tree.map(lambda t, x: t + x.astype(t.dtype), total, tree)
+
+
+NUM_DIAGNOSTICS = 5  # perturbed_loss, surrogate_gap, cosine, clean_grad_norm, perturbed_grad_norm
+
+
 def gsam(
   rho: optax.ScalarOrSchedule,
   alpha: float | jax.Array = 0.0,
@@ -117,6 +148,9 @@ def gsam(
   minimize_fp: bool = True,
   sync_perturbation: bool = False,
   axis_name: Hashable | tuple[Hashable, ...] | None = None,
+  num_groups: int | None = None,
+  perturb_every: int | None = None,
+  reuse_weight: optax.ScalarOrSchedule = 0.7,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Surrogate Gap Guided Sharpness-Aware Minimization (GSAM).
 
@@ -150,18 +184,37 @@ def gsam(
   ``value``, optax's name for the clean loss, is used for the surrogate gap
   diagnostic. Other extra args are ignored.
 
-  Data parallelism. With ``axis_name`` set, ``update`` runs inside
-  ``jax.pmap``/``jax.shard_map``/``jax.vmap`` over that axis, ``updates`` is
-  the device's local clean gradient and ``loss_fn`` the local-shard loss. The
-  output is always averaged over the axis (do not ``pmean`` it again):
+  **Data parallelism (m-sharpness).** With ``axis_name`` set, ``update`` runs
+  inside ``jax.pmap``/``jax.shard_map``/``jax.vmap`` over that axis, ``updates``
+  is the device's local clean gradient and ``loss_fn`` the local-shard loss.
+  The output is always averaged over the axis (do not ``pmean`` it again):
 
-  * ``sync_perturbation=False`` (the paper's m-sharpness setting): each device
-    perturbs with its own :math:`g_c` and decomposes its own gradients; the
-    resulting :math:`g` is averaged. One gradient-sized all-reduce, as in a
-    base step.
+  * ``sync_perturbation=False`` (the paper's setting): each device perturbs
+    with its own :math:`g_c` and decomposes its own gradients; the resulting
+    :math:`g` is averaged. One gradient-sized all-reduce, as in a base step.
   * ``sync_perturbation=True``: :math:`g_c` is averaged before perturbing and
     :math:`g_p` before the decomposition, which equals single-device GSAM on
     the global batch. Two gradient-sized all-reduces.
+
+  ``num_groups=G`` emulates G devices with per-device perturbation on one
+  device, sequentially (a ``lax.scan`` over groups, so memory stays that of one
+  group). ``update`` then takes ``loss_fn(params, group)`` (or
+  ``value_and_grad_fn(params, group)``), the loss of group ``group`` (an int32
+  scalar in ``[0, G)``), computes each group's clean and perturbed gradient
+  itself and ignores the values in ``updates`` (only their structure and dtypes
+  are read: pass ``optax.tree.zeros_like(params)`` to skip a clean pass).
+
+  **Cheap steps (LookSAM).** With ``perturb_every=k`` the perturbed gradient is
+  evaluated only at steps :math:`t \equiv 0 \pmod k`; a ``lax.cond`` skips the
+  work on the other steps. On full steps the transform stores
+  :math:`v = g^{\perp g_c}`, the part of its output orthogonal to the clean
+  gradient; in between it outputs
+  :math:`g_c + \lambda_t \|g_c\| v / \|v\|` with :math:`\lambda_t` =
+  ``reuse_weight``. For SAM this is LookSAM (Liu et al., 2022); for GSAM,
+  :math:`v` also carries the surrogate-gap term, so both corrections are
+  reused. Under ``jax.vmap`` the ``lax.cond`` becomes a select that runs both
+  branches; use ``num_groups`` there. The diagnostics keep the values of the
+  last full step.
 
   Args:
     rho: the perturbation radius, a float >= 0 or any ``optax.Schedule`` (e.g.
@@ -176,6 +229,11 @@ def gsam(
     axis_name: the data-parallel axis name, or ``None`` on a single device or
       under ``jax.jit`` with globally sharded arrays (gradients are global
       there, which behaves as synchronized).
+    num_groups: emulate this many devices sequentially on one (see above).
+    perturb_every: evaluate the perturbed gradient every this many steps
+      (``None`` or 1: every step). A static int.
+    reuse_weight: :math:`\lambda`, a float >= 0 or schedule; read only with
+      ``perturb_every > 1``.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` with state :class:`GSAMState`.
@@ -202,10 +260,15 @@ def gsam(
 
     Kwon et al., `ASAM: Adaptive Sharpness-Aware Minimization
     <https://arxiv.org/abs/2102.11600>`_, ICML 2021.
+
+    Liu et al., `Towards Efficient and Scalable Sharpness-Aware Minimization
+    <https://arxiv.org/abs/2203.02714>`_, CVPR 2022.
   """
   if not callable(rho):
     check_non_negative("rho", rho)
   check_non_negative("alpha", alpha)
+  if not callable(reuse_weight):
+    check_non_negative("reuse_weight", reuse_weight)
   if isinstance(eps, numbers.Real) and not eps > 0:
     raise ValueError(f"eps must be > 0, got {eps!r}.")
   if adaptive not in pert.ADAPTIVE_CHOICES:
@@ -218,12 +281,18 @@ def gsam(
     raise ValueError(
       "sync_perturbation=True needs axis_name: it averages the clean gradient over that axis."
     )
+  _check_static_count("num_groups", num_groups, 1)
+  _check_static_count("perturb_every", perturb_every, 1)
+  if num_groups is not None and axis_name is not None:
+    raise ValueError(
+      "num_groups emulates devices on one device; it cannot be combined with axis_name."
+    )
+  cheap = perturb_every is not None and perturb_every > 1
 
-  def rho_at(count):
-    return jnp.asarray(rho(count) if callable(rho) else rho)
+  def value_at(hyperparameter, count):
+    return jnp.asarray(hyperparameter(count) if callable(hyperparameter) else hyperparameter)
 
   def init_fn(params: optax.Params) -> GSAMState:
-    del params
     zero = jnp.zeros([], jnp.float32)
     return GSAMState(
       count=jnp.zeros([], jnp.int32),
@@ -233,54 +302,163 @@ def gsam(
       cosine=zero,
       clean_grad_norm=zero,
       perturbed_grad_norm=zero,
+      correction=optax.tree.zeros_like(params) if cheap else None,
     )
+
+  def full_replica(clean_grads, params, grad_fn, rho_t, clean_loss, sync_axis):
+    """One device's (or group's) GSAM gradient and its diagnostics."""
+    epsilon = pert.perturbation(clean_grads, params, rho_t, adaptive=adaptive, eps=eps)
+    perturbed_value, perturbed_grads = grad_fn(optax.apply_updates(params, epsilon))
+    perturbed_loss = _scalar_loss(perturbed_value)
+    if sync_axis is not None:
+      perturbed_grads = _pmean(perturbed_grads, sync_axis)
+    stats = pert.gradient_stats(clean_grads, perturbed_grads)
+    if _is_static_zero(alpha) and minimize_fp:  # SAM: skip the decomposition.
+      direction = optax.tree.cast_like(perturbed_grads, clean_grads)
+    else:
+      direction = pert.decompose(
+        clean_grads, perturbed_grads, alpha, minimize_fp=minimize_fp, eps=eps, stats=stats
+      )
+    gap = perturbed_loss - clean_loss if clean_loss is not None else jnp.zeros([], jnp.float32)
+    diagnostics = jnp.stack(
+      [
+        perturbed_loss,
+        gap,
+        stats.cosine.astype(jnp.float32),
+        stats.clean_norm.astype(jnp.float32),
+        stats.perturbed_norm.astype(jnp.float32),
+      ]
+    )
+    return direction, diagnostics
+
+  def cheap_replica(clean_grads, correction, weight):
+    return pert.reuse_correction(clean_grads, correction, weight, eps=eps)
+
+  def stored_correction(direction, clean_grads, like):
+    correction = pert.orthogonal_component(direction, clean_grads, eps=eps)
+    return optax.tree.cast_like(correction, like)
+
+  def previous_diagnostics(state):
+    return jnp.stack(
+      [
+        state.perturbed_loss,
+        state.surrogate_gap,
+        state.cosine,
+        state.clean_grad_norm,
+        state.perturbed_grad_norm,
+      ]
+    )
+
+  def data_parallel_update(updates, state, params, grad_fn, value, rho_t, weight):
+    """Single device, or one replica under axis_name."""
+    synchronized = axis_name is not None and sync_perturbation
+    per_device = axis_name is not None and not sync_perturbation
+    clean_grads = _pmean(updates, axis_name) if synchronized else updates
+    clean_loss = _scalar_loss(value) if value is not None else None
+    sync_axis = axis_name if synchronized else None
+
+    def full(_):
+      direction, diagnostics = full_replica(
+        clean_grads, params, grad_fn, rho_t, clean_loss, sync_axis
+      )
+      correction = stored_correction(direction, clean_grads, state.correction) if cheap else None
+      if per_device:  # One collective for the output, the correction and the scalars.
+        return _pmean((direction, correction, diagnostics), axis_name)
+      if axis_name is not None:
+        diagnostics = _pmean(diagnostics, axis_name)
+      return direction, correction, diagnostics
+
+    if not cheap:
+      direction, _, diagnostics = full(None)
+      return direction, None, diagnostics
+
+    def reuse(_):
+      direction = cheap_replica(clean_grads, state.correction, weight)
+      if per_device:
+        direction = _pmean(direction, axis_name)
+      return direction, state.correction, previous_diagnostics(state)
+
+    return jax.lax.cond(state.count % perturb_every == 0, full, reuse, None)
+
+  def grouped_update(updates, state, params, group_fn, rho_t, weight):
+    """num_groups emulation: a scan over groups, each perturbed with its own gradient."""
+    groups = jnp.arange(num_groups, dtype=jnp.int32)
+    accumulation = _accumulator(updates)
+
+    def scan_groups(body, carry):
+      total, _ = jax.lax.scan(lambda c, g: (body(c, g), None), carry, groups)
+      return jax.tree.map(lambda t: t / num_groups, total)
+
+    def full(_):
+      def body(total, group):
+        clean_value, clean_grads = group_fn(group)(params)
+        clean_grads = optax.tree.cast_like(clean_grads, updates)
+        direction, diagnostics = full_replica(
+          clean_grads, params, group_fn(group), rho_t, _scalar_loss(clean_value), None
+        )
+        correction = stored_correction(direction, clean_grads, state.correction) if cheap else None
+        return _tree_accumulate(total, (direction, correction, diagnostics))
+
+      initial = (
+        accumulation,
+        _accumulator(state.correction),
+        jnp.zeros([NUM_DIAGNOSTICS], jnp.float32),
+      )
+      direction, correction, diagnostics = scan_groups(body, initial)
+      if cheap:
+        correction = optax.tree.cast_like(correction, state.correction)
+      return direction, correction, diagnostics
+
+    if not cheap:
+      direction, _, diagnostics = full(None)
+      return direction, None, diagnostics
+
+    def reuse(_):
+      def body(total, group):
+        _, clean_grads = group_fn(group)(params)
+        clean_grads = optax.tree.cast_like(clean_grads, updates)
+        return _tree_accumulate(total, cheap_replica(clean_grads, state.correction, weight))
+
+      return scan_groups(body, accumulation), state.correction, previous_diagnostics(state)
+
+    return jax.lax.cond(state.count % perturb_every == 0, full, reuse, None)
 
   def update_fn(
     updates: optax.Updates,
     state: GSAMState,
     params: optax.Params | None = None,
     *,
-    loss_fn: LossFn | None = None,
-    value_and_grad_fn: ValueAndGradFn | None = None,
+    loss_fn: Callable | None = None,
+    value_and_grad_fn: Callable | None = None,
     value: jax.Array | None = None,
     **extra_args: Any,
   ) -> tuple[optax.Updates, GSAMState]:
     del extra_args
-    grad_fn = _grad_fn_from(loss_fn, value_and_grad_fn)
     _check_structures(updates, params)
-    synchronized = axis_name is not None and sync_perturbation
-
-    clean_grads = _pmean(updates, axis_name) if synchronized else updates
-    rho_t = rho_at(state.count)
-    epsilon = pert.perturbation(clean_grads, params, rho_t, adaptive=adaptive, eps=eps)
-    perturbed_value, perturbed_grads = grad_fn(optax.apply_updates(params, epsilon))
-    perturbed_loss = _scalar_loss(perturbed_value)
-    if synchronized:
-      perturbed_grads = _pmean(perturbed_grads, axis_name)
-
-    stats = pert.gradient_stats(clean_grads, perturbed_grads)
-    if _is_static_zero(alpha) and minimize_fp:  # SAM: skip the decomposition.
-      new_updates = optax.tree.cast_like(perturbed_grads, updates)
-    else:
-      new_updates = pert.decompose(
-        clean_grads, perturbed_grads, alpha, minimize_fp=minimize_fp, eps=eps, stats=stats
+    rho_t = value_at(rho, state.count)
+    weight = value_at(reuse_weight, state.count) if cheap else None
+    if num_groups is None:
+      grad_fn = _grad_fn_from(loss_fn, value_and_grad_fn)
+      direction, correction, diagnostics = data_parallel_update(
+        updates, state, params, grad_fn, value, rho_t, weight
       )
-    surrogate_gap = (
-      perturbed_loss - _scalar_loss(value) if value is not None else jnp.zeros([], jnp.float32)
-    )
-    diagnostics = jnp.stack(
-      [
-        perturbed_loss,
-        surrogate_gap,
-        stats.cosine.astype(jnp.float32),
-        stats.clean_norm.astype(jnp.float32),
-        stats.perturbed_norm.astype(jnp.float32),
-      ]
-    )
-    if axis_name is not None:
-      if not synchronized:
-        new_updates = _pmean(new_updates, axis_name)
-      diagnostics = _pmean(diagnostics, axis_name)
+    else:
+      _grad_fn_from(loss_fn, value_and_grad_fn)  # Validates the arguments.
+      if loss_fn is not None:
+        group_fn = lambda group: jax.value_and_grad(lambda p: loss_fn(p, group))
+      else:
+        group_fn = lambda group: lambda p: value_and_grad_fn(p, group)
+      direction, correction, diagnostics = grouped_update(
+        updates, state, params, group_fn, rho_t, weight
+      )
+    direction = optax.tree.cast_like(direction, updates)
+    if cheap:
+      # A non-finite step never replaces the stored direction.
+      correction = jax.tree.map(
+        lambda new, old: jnp.where(_all_finite(correction), new, old),
+        correction,
+        state.correction,
+      )
     new_state = GSAMState(
       count=optax.safe_increment(state.count),
       rho=rho_t.astype(jnp.float32),
@@ -289,8 +467,9 @@ def gsam(
       cosine=diagnostics[2],
       clean_grad_norm=diagnostics[3],
       perturbed_grad_norm=diagnostics[4],
+      correction=correction,
     )
-    return new_updates, new_state
+    return direction, new_state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -312,7 +491,8 @@ def sam(
 
   The output is the gradient at the perturbed weights; the optimizer chained
   after it applies it to the unperturbed weights. ``adaptive="asam"`` gives
-  ASAM. Arguments and the ``update`` protocol are those of :func:`gsam`.
+  ASAM; ``perturb_every=k`` gives LookSAM. Arguments and the ``update``
+  protocol are those of :func:`gsam`.
 
   Example:
     >>> import jax, jax.numpy as jnp, optax, optax_gsam

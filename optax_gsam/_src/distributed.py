@@ -1,0 +1,163 @@
+"""Data-parallel train steps: shard_map on a mesh, and device emulation with vmap.
+
+``gsam(..., axis_name=...)`` runs inside a per-device context. These helpers
+build that context around a per-device train step ``step(params, opt_state,
+batch, ...)`` so that the same step runs on a mesh of real devices (one host or
+a pod) or, for studying m-sharpness, on one device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from collections.abc import Hashable
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+from jax.sharding import Mesh
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+
+def _check_argnums(name: str, argnums: Sequence[int]) -> tuple[int, ...]:
+  argnums = tuple(argnums)
+  if not argnums or not all(isinstance(i, int) and i >= 0 for i in argnums):
+    raise ValueError(f"{name} must be a non-empty sequence of argument indices, got {argnums!r}.")
+  return argnums
+
+
+def data_parallel(
+  step_fn: Callable[..., Any],
+  mesh: Mesh,
+  *,
+  axis_name: Hashable = "data",
+  batch_argnums: Sequence[int] = (2,),
+  donate_argnums: Sequence[int] = (),
+  out_specs: Any = None,
+) -> Callable[..., Any]:
+  """``jax.jit(jax.shard_map(step_fn))`` for a per-device data-parallel train step.
+
+  The arguments at ``batch_argnums`` are split along their leading (batch)
+  axis over ``axis_name``; every other argument (params, optimizer state, PRNG
+  keys) is replicated. Inside, ``step_fn`` sees its device's shard and runs
+  ``tx.update`` of a transform built with the same ``axis_name``; the transform
+  averages the gradient, so params and optimizer state come out replicated.
+  Average any per-device metric with ``jax.lax.pmean`` before returning it, or
+  pass ``out_specs``.
+
+  This is how per-device perturbation (the GSAM paper's m-sharpness) is written
+  in a ``jit``-on-a-mesh trainer: under plain ``jax.jit`` with sharded arrays
+  gradients are global, so the perturbation is necessarily synchronized.
+
+  The ``shard_map`` runs with ``check_vma=False``. With JAX's default
+  (``check_vma=True``), ``jax.grad`` with respect to a replicated input returns
+  the gradient already summed over the axis, so the transform would see the
+  global gradient, not the device's own. In a hand-written ``shard_map`` with
+  ``check_vma=True``, differentiate with respect to
+  ``jax.lax.pvary(params, axis_name)`` to get the local gradient.
+
+  Args:
+    step_fn: ``step(params, opt_state, batch, ...)`` for one device's shard.
+    mesh: a ``jax.sharding.Mesh`` with an axis called ``axis_name``; on a pod,
+      the global mesh over ``jax.devices()``.
+    axis_name: the mesh axis the batch is split over.
+    batch_argnums: positions of the batch-sharded arguments.
+    donate_argnums: forwarded to ``jax.jit`` (e.g. ``(0, 1)`` for params and
+      optimizer state).
+    out_specs: the outputs' partition specs; ``None`` (default) replicates all.
+
+  Returns:
+    The jitted data-parallel step, taking global arrays.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, numpy as np, optax, optax_gsam
+    >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
+    >>> tx = optax.chain(optax_gsam.gsam(0.05, 0.1, axis_name="data"), optax.sgd(0.1))
+    >>> def step(w, opt_state, batch):
+    ...   loss_fn = lambda w: jnp.mean((batch @ w - 1.0) ** 2)
+    ...   loss, grads = jax.value_and_grad(loss_fn)(w)
+    ...   updates, opt_state = tx.update(grads, opt_state, w, loss_fn=loss_fn, value=loss)
+    ...   return optax.apply_updates(w, updates), opt_state, jax.lax.pmean(loss, "data")
+    >>> train_step = optax_gsam.data_parallel(step, mesh, axis_name="data")
+    >>> w = jnp.zeros(3)
+    >>> batch = jnp.ones((8 * jax.device_count(), 3))
+    >>> w, opt_state, loss = train_step(w, tx.init(w), batch)
+  """
+  if axis_name not in mesh.axis_names:
+    raise ValueError(f"axis_name={axis_name!r} is not an axis of the mesh {mesh.axis_names}.")
+  batch_argnums = _check_argnums("batch_argnums", batch_argnums)
+
+  def wrapped(*args):
+    in_specs = tuple(P(axis_name) if i in batch_argnums else P() for i in range(len(args)))
+    # Place every input as its spec says, so callers may pass host or unsharded arrays.
+    args = tuple(
+      jax.tree.map(lambda x, spec=spec: jax.reshard(x, NamedSharding(mesh, spec)), a)
+      for a, spec in zip(args, in_specs, strict=True)
+    )
+    sharded = jax.shard_map(
+      step_fn,
+      mesh=mesh,
+      in_specs=in_specs,
+      out_specs=P() if out_specs is None else out_specs,
+      check_vma=False,
+    )
+    return sharded(*args)
+
+  return jax.jit(wrapped, donate_argnums=tuple(donate_argnums))
+
+
+def emulate_devices(
+  step_fn: Callable[..., Any],
+  num_devices: int,
+  *,
+  axis_name: Hashable = "data",
+  batch_argnums: Sequence[int] = (2,),
+) -> Callable[..., Any]:
+  """Runs a per-device train step for ``num_devices`` virtual devices on one device.
+
+  Each argument at ``batch_argnums`` is split into ``num_devices`` equal
+  groups along its leading axis, and ``step_fn`` is ``jax.vmap``-ed over the
+  groups with ``axis_name`` bound, so its collectives (``jax.lax.pmean`` inside
+  ``gsam(..., axis_name=axis_name)``) average over groups exactly as over
+  devices. It reproduces what ``num_devices`` devices compute, on one CPU or
+  GPU: the way to study the m-sharpness trade-off without a pod.
+
+  Memory: ``vmap`` holds every group's activations and gradients at once, so
+  peak memory is about that of the whole batch plus ``num_devices`` gradient
+  copies. When that is too much, use ``gsam(..., num_groups=G)``, which scans
+  over the groups sequentially with one group's memory. Under ``vmap`` a
+  ``lax.cond`` (``perturb_every > 1``) runs both branches; ``num_groups`` keeps
+  the saving.
+
+  All outputs must be the same on every group (average metrics with
+  ``jax.lax.pmean``); they are returned once, without a group axis.
+
+  Args:
+    step_fn: ``step(params, opt_state, batch, ...)`` for one device's shard.
+    num_devices: the number of virtual devices (groups).
+    axis_name: the axis name the transforms inside ``step_fn`` use.
+    batch_argnums: positions of the batch arguments to split.
+
+  Returns:
+    A function with ``step_fn``'s signature taking the whole batch.
+  """
+  if isinstance(num_devices, bool) or not isinstance(num_devices, int) or num_devices < 1:
+    raise ValueError(f"num_devices must be an int >= 1, got {num_devices!r}.")
+  batch_argnums = _check_argnums("batch_argnums", batch_argnums)
+
+  def split(x):
+    if x.shape[0] % num_devices:
+      raise ValueError(
+        f"The batch size {x.shape[0]} is not divisible by num_devices={num_devices}."
+      )
+    return x.reshape(num_devices, x.shape[0] // num_devices, *x.shape[1:])
+
+  def wrapped(*args):
+    args = tuple(jax.tree.map(split, a) if i in batch_argnums else a for i, a in enumerate(args))
+    in_axes = tuple(0 if i in batch_argnums else None for i in range(len(args)))
+    vmapped = jax.vmap(
+      step_fn, in_axes=in_axes, out_axes=None, axis_name=axis_name, axis_size=num_devices
+    )
+    return vmapped(*args)
+
+  return wrapped
