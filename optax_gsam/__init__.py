@@ -4,8 +4,11 @@ The whole public API is listed in ``__all__`` below; everything under
 ``optax_gsam._src`` is private.
 """
 
+from optax_gsam._src.contrastive import clip_loss
+from optax_gsam._src.contrastive import siglip_loss
 from optax_gsam._src.distributed import data_parallel
 from optax_gsam._src.distributed import emulate_devices
+from optax_gsam._src.gradient_cache import cached_value_and_grad
 from optax_gsam._src.perturbation import GradientStats
 from optax_gsam._src.perturbation import decompose
 from optax_gsam._src.perturbation import global_norm
@@ -24,6 +27,8 @@ __version__ = "0.1.0"
 __all__ = (
   "GSAMState",
   "GradientStats",
+  "cached_value_and_grad",
+  "clip_loss",
   "data_parallel",
   "decompose",
   "emulate_devices",
@@ -36,4 +41,5 @@ __all__ = (
   "rho_from_lr",
   "sam",
   "schedule_extrema",
+  "siglip_loss",
 )
