@@ -114,7 +114,7 @@ def _is_static_zero(value) -> bool:
 def _check_static_count(name: str, value, minimum: int) -> None:
   if value is None:
     return
-  if isinstance(value, jax.core.Tracer):
+  if isinstance(value, jax.Array):  # e.g. made an array by optax.inject_hyperparams.
     raise ValueError(
       f"{name} must be a static Python int; with optax.inject_hyperparams pass "
       f"static_args=({name!r},)."
