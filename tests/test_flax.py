@@ -1,0 +1,298 @@
+"""optax_gsam.flax.TrainState and the NNX recipe of docs/flax.md.
+
+Consistency of the two passes is tested through rho = 0: the perturbed weights
+then equal the clean ones, so the GSAM update equals the base optimizer's
+update on the clean gradient exactly when the perturbed pass sees the same
+dropout mask and the same inputs. A negative control with a fresh key shows the
+test can fail.
+"""
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from flax.training import train_state as flax_train_state
+
+import optax_gsam
+from optax_gsam.flax import TrainState
+
+LR = 0.1
+# Shared so that the jitted steps compile once per optimizer.
+TX_RHO0 = optax.chain(optax_gsam.gsam(0.0, 0.5), optax.sgd(LR))
+TX_GSAM = optax.chain(optax_gsam.gsam(0.5, 0.3), optax.sgd(LR))
+TX_PLAIN = optax.sgd(LR)
+
+
+class LinenNet(nn.Module):
+  @nn.compact
+  def __call__(self, x, train: bool):
+    x = nn.Dense(8)(x)
+    x = nn.BatchNorm(use_running_average=not train, momentum=0.5)(x)
+    x = nn.Dropout(0.5, deterministic=not train)(nn.relu(x))
+    return nn.Dense(3)(x)
+
+
+class BatchNormState(TrainState):
+  batch_stats: Any
+
+
+def data(n=16, d=4):
+  x = jax.random.normal(jax.random.key(10), (n, d))
+  y = jax.nn.one_hot(jax.random.randint(jax.random.key(11), (n,), 0, 3), 3)
+  return x, y
+
+
+def make_state(tx):
+  x, _ = data()
+  variables = LinenNet().init(jax.random.key(0), x, train=False)
+  return BatchNormState.create(
+    apply_fn=LinenNet().apply,
+    params=variables["params"],
+    tx=tx,
+    batch_stats=variables["batch_stats"],
+  )
+
+
+def mixup(key, x, y):
+  lam = jax.random.uniform(key, minval=0.3, maxval=0.7)
+  perm = jax.random.permutation(key, x.shape[0])
+  return lam * x + (1 - lam) * x[perm], lam * y + (1 - lam) * y[perm]
+
+
+def forward_fn(state, x, y, dropout_key):
+  def forward(params):
+    logits, updates = state.apply_fn(
+      {"params": params, "batch_stats": state.batch_stats},
+      x,
+      train=True,
+      mutable=["batch_stats"],
+      rngs={"dropout": dropout_key},
+    )
+    return optax.softmax_cross_entropy(logits, y).mean(), updates["batch_stats"]
+
+  return forward
+
+
+@jax.jit
+def gsam_step(state, x, y, key):
+  """The docs' Linen step: mix once, one dropout key, the clean pass's batch stats."""
+  mix_key, dropout_key = jax.random.split(key)
+  x, y = mixup(mix_key, x, y)
+  forward = forward_fn(state, x, y, dropout_key)
+  (loss, batch_stats), grads = jax.value_and_grad(forward, has_aux=True)(state.params)
+  return state.apply_gradients(
+    grads=grads, batch_stats=batch_stats, loss_fn=lambda p: forward(p)[0], value=loss
+  )
+
+
+@jax.jit
+def gsam_step_fresh_randomness(state, x, y, key):
+  """A wrong step: the perturbed pass re-mixes and draws a new dropout mask."""
+  mix_key, dropout_key = jax.random.split(key)
+  xm, ym = mixup(mix_key, x, y)
+  forward = forward_fn(state, xm, ym, dropout_key)
+  (loss, batch_stats), grads = jax.value_and_grad(forward, has_aux=True)(state.params)
+  other_mix, other_dropout = jax.random.split(jax.random.fold_in(key, 1))
+  xo, yo = mixup(other_mix, x, y)
+  return state.apply_gradients(
+    grads=grads,
+    batch_stats=batch_stats,
+    loss_fn=lambda p: forward_fn(state, xo, yo, other_dropout)(p)[0],
+    value=loss,
+  )
+
+
+@jax.jit
+def plain_step(state, x, y, key):
+  """The base step: clean gradient, clean batch stats, no GSAM."""
+  mix_key, dropout_key = jax.random.split(key)
+  x, y = mixup(mix_key, x, y)
+  forward = forward_fn(state, x, y, dropout_key)
+  (_, batch_stats), grads = jax.value_and_grad(forward, has_aux=True)(state.params)
+  return state.apply_gradients(grads=grads, batch_stats=batch_stats)
+
+
+def assert_trees_close(a, b, **kw):
+  jax.tree.map(lambda u, v: np.testing.assert_allclose(u, v, **kw), a, b)
+
+
+def max_tree_diff(a, b):
+  return max(jax.tree.leaves(jax.tree.map(lambda u, v: float(jnp.max(jnp.abs(u - v))), a, b)))
+
+
+def test_linen_perturbed_pass_sees_clean_rng_and_inputs():
+  x, y = data()
+  key = jax.random.key(3)
+  gsam, plain = make_state(TX_RHO0), make_state(TX_PLAIN)
+  for step in range(2):
+    k = jax.random.fold_in(key, step)
+    gsam, plain = gsam_step(gsam, x, y, k), plain_step(plain, x, y, k)
+    assert_trees_close(gsam.params, plain.params, rtol=1e-5, atol=1e-7)
+    assert_trees_close(gsam.batch_stats, plain.batch_stats, rtol=1e-6, atol=1e-7)
+  # Negative control: fresh randomness in the perturbed pass changes the update.
+  wrong = gsam_step_fresh_randomness(make_state(TX_RHO0), x, y, key)
+  right = gsam_step(make_state(TX_RHO0), x, y, key)
+  assert max_tree_diff(wrong.params, right.params) > 1e-3
+
+
+def test_linen_batch_stats_come_from_the_clean_pass():
+  x, y = data()
+  key = jax.random.key(4)
+  rho = 0.5  # TX_GSAM's
+  state = make_state(TX_GSAM)
+  new_state = gsam_step(state, x, y, key)
+
+  @jax.jit
+  def clean_and_perturbed_stats(state):
+    mix_key, dropout_key = jax.random.split(key)
+    xm, ym = mixup(mix_key, x, y)
+    forward = forward_fn(state, xm, ym, dropout_key)
+    (_, clean_stats), g = jax.value_and_grad(forward, has_aux=True)(state.params)
+    norm = jnp.sqrt(sum(jnp.sum(leaf**2) for leaf in jax.tree.leaves(g)))
+    perturbed = jax.tree.map(lambda w, gi: w + rho * gi / norm, state.params, g)
+    return clean_stats, forward(perturbed)[1]
+
+  clean_stats, perturbed_stats = clean_and_perturbed_stats(state)
+
+  assert_trees_close(new_state.batch_stats, clean_stats, rtol=1e-6, atol=1e-7)
+  assert max_tree_diff(clean_stats, perturbed_stats) > 1e-3  # the test can tell them apart
+  assert int(new_state.step) == 1
+  assert float(optax.tree.get(new_state.opt_state, "rho")) == pytest.approx(rho)
+
+
+def test_train_state_forwards_non_field_kwargs_only():
+  seen = {}
+
+  def update_fn(updates, state, params=None, **extra_args):
+    seen.update(extra_args)
+    return updates, state
+
+  recorder = optax.GradientTransformationExtraArgs(lambda p: optax.EmptyState(), update_fn)
+  state = make_state(optax.chain(recorder, optax.sgd(LR)))
+  grads = jax.tree.map(jnp.ones_like, state.params)
+  new_stats = jax.tree.map(lambda s: s + 1.0, state.batch_stats)
+
+  def loss_fn(p):
+    return 0.0
+
+  new_state = state.apply_gradients(
+    grads=grads, batch_stats=new_stats, loss_fn=loss_fn, value=2.0, custom=3
+  )
+  assert seen == {"loss_fn": loss_fn, "value": 2.0, "custom": 3}
+  assert_trees_close(new_state.batch_stats, new_stats)
+  assert new_state.tx is state.tx and int(new_state.step) == 1
+  assert_trees_close(new_state.params, jax.tree.map(lambda w: w - LR, state.params), rtol=1e-6)
+
+
+def test_train_state_without_extra_args_is_flax():
+  tx = optax.adam(1e-2)
+  ours = make_state(tx)
+  theirs = flax_train_state.TrainState.create(apply_fn=ours.apply_fn, params=ours.params, tx=tx)
+  grads = jax.tree.map(lambda w: jnp.full_like(w, 0.3), ours.params)
+  # A plain optimizer ignores the extra args, so the same step runs without GSAM.
+  a = ours.apply_gradients(grads=grads, loss_fn=lambda p: 0.0, value=1.0)
+  b = theirs.apply_gradients(grads=grads)
+  c = ours.apply_gradients(grads=grads)
+  jax.tree.map(np.testing.assert_array_equal, a.params, b.params)
+  jax.tree.map(np.testing.assert_array_equal, c.params, b.params)
+  assert isinstance(a, BatchNormState) and int(a.step) == 1
+
+
+# --- NNX -----------------------------------------------------------------------------------
+
+
+class NNXNet(nnx.Module):
+  def __init__(self, rngs):
+    self.dense1 = nnx.Linear(4, 8, rngs=rngs)
+    self.norm = nnx.BatchNorm(8, momentum=0.5, rngs=rngs)
+    self.dropout = nnx.Dropout(0.5, rngs=rngs)
+    self.dense2 = nnx.Linear(8, 3, rngs=rngs)
+
+  def __call__(self, x):
+    return self.dense2(self.dropout(nnx.relu(self.norm(self.dense1(x)))))
+
+
+def cross_entropy(model, x, y):
+  return optax.softmax_cross_entropy(model(x), y).mean()
+
+
+@nnx.jit
+def nnx_gsam_step(model, optimizer, x, y):
+  """The docs' NNX step."""
+  graphdef, _, rest = nnx.split(model, nnx.Param, ...)
+  rest = nnx.as_pure(rest)
+
+  def loss_fn(params):
+    return cross_entropy(nnx.merge(graphdef, params, rest), x, y)
+
+  loss, grads = nnx.value_and_grad(cross_entropy)(model, x, y)
+  optimizer.update(model, grads, loss_fn=loss_fn, value=loss)
+  return loss
+
+
+@nnx.jit
+def nnx_gsam_step_split_late(model, optimizer, x, y):
+  """A wrong step: splitting after the clean pass gives the next dropout mask and new stats."""
+  loss, grads = nnx.value_and_grad(cross_entropy)(model, x, y)
+  graphdef, _, rest = nnx.split(model, nnx.Param, ...)
+  rest = nnx.as_pure(rest)
+
+  def loss_fn(params):
+    return cross_entropy(nnx.merge(graphdef, params, rest), x, y)
+
+  optimizer.update(model, grads, loss_fn=loss_fn, value=loss)
+  return loss
+
+
+@nnx.jit
+def nnx_plain_step(model, optimizer, x, y):
+  loss, grads = nnx.value_and_grad(cross_entropy)(model, x, y)
+  optimizer.update(model, grads)
+  return loss
+
+
+def nnx_pair(tx):
+  model = NNXNet(nnx.Rngs(0, dropout=1))
+  return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+
+def test_nnx_perturbed_pass_sees_clean_rng_and_stats_are_clean():
+  x, y = data()
+  gsam_model, gsam_opt = nnx_pair(TX_RHO0)
+  plain_model, plain_opt = nnx_pair(TX_PLAIN)
+  for _ in range(2):
+    nnx_gsam_step(gsam_model, gsam_opt, x, y)
+    nnx_plain_step(plain_model, plain_opt, x, y)
+    for kind in (nnx.Param, nnx.BatchStat, nnx.RngCount):
+      assert_trees_close(
+        nnx.state(gsam_model, kind), nnx.state(plain_model, kind), rtol=1e-5, atol=1e-7
+      )
+  # Negative control: splitting after the clean pass uses another dropout mask.
+  late_model, late_opt = nnx_pair(TX_RHO0)
+  right_model, right_opt = nnx_pair(TX_RHO0)
+  nnx_gsam_step_split_late(late_model, late_opt, x, y)
+  nnx_gsam_step(right_model, right_opt, x, y)
+  params = (nnx.state(late_model, nnx.Param), nnx.state(right_model, nnx.Param))
+  assert max_tree_diff(*params) > 1e-3
+
+
+def test_nnx_batch_stats_and_rng_advance_once_with_perturbation():
+  x, y = data()
+  model, optimizer = nnx_pair(TX_GSAM)
+  reference = NNXNet(nnx.Rngs(0, dropout=1))
+  before = nnx.as_pure(nnx.state(model, nnx.Param))
+  loss = nnx_gsam_step(model, optimizer, x, y)
+  # The clean pass alone, on a copy of the initial model.
+  expected_loss = cross_entropy(reference, x, y)
+  assert float(loss) == pytest.approx(float(expected_loss), rel=1e-6)
+  assert_trees_close(
+    nnx.state(model, nnx.BatchStat), nnx.state(reference, nnx.BatchStat), rtol=1e-6, atol=1e-7
+  )
+  assert int(model.dropout.rngs.count[...]) == int(reference.dropout.rngs.count[...]) == 1
+  assert max_tree_diff(before, nnx.as_pure(nnx.state(model, nnx.Param))) > 1e-4
+  assert float(optax.tree.get(optimizer.opt_state, "surrogate_gap")) != 0.0
