@@ -42,6 +42,7 @@ import os
 import platform
 import random
 import re
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -389,6 +390,21 @@ def format_table(rows: list[dict]) -> str:
   return "\n".join(lines)
 
 
+def code_version() -> dict[str, Any]:
+  """The optax_gsam commit measured, and whether its package sources differ from it."""
+  root = Path(optax_gsam.__file__).resolve().parents[1]
+  try:
+    git = lambda *a: subprocess.run(
+      ["git", "-C", str(root), *a], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    return {
+      "commit": git("rev-parse", "HEAD"),
+      "dirty": bool(git("status", "--porcelain", "optax_gsam")),
+    }
+  except (OSError, subprocess.CalledProcessError):
+    return {"commit": os.environ.get("OPTAX_GSAM_COMMIT", "unknown"), "dirty": None}
+
+
 def machine() -> dict[str, str]:
   """Where the numbers were measured."""
   cpu = platform.processor() or "unknown"
@@ -488,6 +504,7 @@ def main(argv: list[str] | None = None) -> dict:
     "donate": args.donate,
     "hparams": dataclasses.asdict(hp),
     "machine": machine(),
+    "code": code_version(),
     "rows": rows,
     "targets": checks,
   }

@@ -1,0 +1,87 @@
+"""Smoke tests of the benchmark scripts: the smallest configurations run end to end.
+
+They check structure and finiteness only, never timings: a benchmark is not a
+timed unit test.
+"""
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import optax
+import pytest
+
+import optax_gsam
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def _load(name: str):
+  """Imports ``benchmarks/<name>.py`` (the folder is not a package)."""
+  spec = importlib.util.spec_from_file_location(f"_benchmarks_{name}", BENCHMARKS / f"{name}.py")
+  module = importlib.util.module_from_spec(spec)
+  sys.modules[spec.name] = module  # dataclasses look their module up
+  spec.loader.exec_module(module)
+  return module
+
+
+@pytest.fixture(scope="module")
+def step_cost():
+  return _load("step_cost")
+
+
+@pytest.fixture(scope="module")
+def generalization():
+  return _load("generalization")
+
+
+def test_step_cost_smoke(step_cost, tmp_path):
+  argv = ["--smoke", "--models", "resnet-small", "--contenders", "gsam", "optax.contrib.sam"]
+  argv += ["--rounds", "1", "--steps", "1", "--out-dir", str(tmp_path), "--no-plot"]
+  result = step_cost.main(argv)
+  saved = json.loads((tmp_path / "step_cost_smoke.json").read_text())
+  assert saved["rows"] == result["rows"]
+  rows = {r["contender"]: r for r in saved["rows"]}
+  assert list(rows) == ["base", "gsam", "optax.contrib.sam"]  # base joins for the ratios
+  for row in rows.values():
+    assert row["ms_per_step"] > 0 and math.isfinite(row["ms_per_step"])
+    assert row["compile_s"] > 0 and row["reduce_ops"] > 0
+  assert rows["base"]["ratio_to_base"] == 1.0
+  assert rows["optax.contrib.sam"]["ratio_to_contrib_sam"] == 1.0
+  # Deterministic: XLA counts two gradient evaluations in a sharpness-aware step.
+  for name in ("gsam", "optax.contrib.sam"):
+    assert 1.5 < rows[name]["flops_ratio_to_base"] < 2.5
+  assert [c["target"] for c in saved["targets"]] == [
+    "gsam / optax.contrib.sam <= 1.02",
+    "gsam / base <= 2.05",
+  ]
+  assert all(isinstance(c["met"], bool) for c in saved["targets"])
+  assert saved["machine"]["jax"]
+
+
+def test_generalization_smoke(generalization, tmp_path, monkeypatch):
+  # A contender added with one line, as the cheap variants will be.
+  monkeypatch.setitem(
+    generalization.CONTENDERS,
+    "sam_adaptive",
+    generalization.Contender(
+      lambda base, hp: optax.chain(optax_gsam.sam(hp.rho, adaptive="gsam"), base), "sam"
+    ),
+  )
+  argv = ["--seeds", "1", "--epochs", "1", "--noise", "0.2", "--out-dir", str(tmp_path)]
+  argv += ["--contenders", "base", "sam_adaptive", "--no-plot"]
+  result = generalization.main(argv)
+  saved = json.loads((tmp_path / "generalization.json").read_text())
+  assert saved["rows"] == result["rows"]
+  assert [(r["noise"], r["contender"]) for r in saved["rows"]] == [
+    (0.2, "base"),
+    (0.2, "sam_adaptive"),
+  ]
+  for row in saved["rows"]:
+    assert row["seeds"] == 1 and len(row["eval_accuracy_curve_mean"]) == 1
+    assert 0.1 < row["eval_accuracy_mean"] <= 1.0  # better than chance after an epoch
+    for key in ("noise_fitted", "train_loss", "lambda_max", "gap"):
+      assert math.isfinite(row[f"{key}_mean"]), key
+    assert row["lambda_max_mean"] > 0
