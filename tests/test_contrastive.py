@@ -54,7 +54,7 @@ def reference_loss(kind):
 CASES = [
   dict(kind=kind, batch=batch, tile_size=tile)
   for kind in ("clip", "siglip")
-  for batch, tile in [(13, None), (13, 1), (13, 4), (13, 13), (13, 32), (16, 8), (16, 5)]
+  for batch, tile in [(13, None), (13, 1), (13, 4), (13, 32), (16, 8)]
 ]
 
 
@@ -64,10 +64,12 @@ def test_matches_float64_reference(case):
     x, y = make_pairs(case["batch"])
     scalars = jnp.array([np.log(8.0), -3.0])
     args = (jnp.asarray(x), jnp.asarray(y), scalars)
-    value, grads = jax.value_and_grad(package_loss(case["kind"], case["tile_size"]), (0, 1, 2))(
+    value, grads = jax.jit(
+      jax.value_and_grad(package_loss(case["kind"], case["tile_size"]), (0, 1, 2))
+    )(*args)
+    ref_value, ref_grads = jax.jit(jax.value_and_grad(reference_loss(case["kind"]), (0, 1, 2)))(
       *args
     )
-    ref_value, ref_grads = jax.value_and_grad(reference_loss(case["kind"]), (0, 1, 2))(*args)
     assert value.dtype == jnp.float64
     np.testing.assert_allclose(value, ref_value, rtol=1e-12)
     for g, r in zip(grads, ref_grads, strict=True):
@@ -77,9 +79,10 @@ def test_matches_float64_reference(case):
 def test_tiled_clip_is_stable_for_large_logits():
   # Logit scale e^5 ~ 148: exp() of the raw logits would overflow float32.
   x, y = (jnp.asarray(a, jnp.float32) for a in make_pairs(40, seed=3))
-  value, grads = jax.value_and_grad(optax_gsam.clip_loss, (0, 1, 2))(x, y, 5.0, tile_size=7)
+  tiled = jax.value_and_grad(lambda x, y, t: optax_gsam.clip_loss(x, y, t, tile_size=7), (0, 1, 2))
+  value, grads = jax.jit(tiled)(x, y, jnp.float32(5.0))
   with jax.enable_x64(True):
-    ref_value, ref_grads = jax.value_and_grad(reference_clip, (0, 1, 2))(
+    ref_value, ref_grads = jax.jit(jax.value_and_grad(reference_clip, (0, 1, 2)))(
       x.astype(jnp.float64), y.astype(jnp.float64), jnp.float64(5.0)
     )
   assert np.isfinite(value)
@@ -116,7 +119,7 @@ def test_axis_name_gives_global_batch_loss(kind, tile_size):
       jax.device_put(jnp.asarray(y), sharded),
       jax.device_put(scalars, replicated),
     )
-    ref_value, ref_grads = jax.value_and_grad(reference_loss(kind), (0, 1, 2))(
+    ref_value, ref_grads = jax.jit(jax.value_and_grad(reference_loss(kind), (0, 1, 2)))(
       jnp.asarray(x), jnp.asarray(y), scalars
     )
     np.testing.assert_allclose(value, ref_value, rtol=1e-12)
