@@ -34,14 +34,14 @@ import jax
 if jax.config.jax_platforms in (None, "", "cpu"):
   jax.config.update("jax_num_cpu_devices", 8)
 
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
+import jax.numpy as jnp
+import numpy as np
+import optax
 
-import optax_gsam  # noqa: E402
+import optax_gsam
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from step_cost import ViT  # noqa: E402
+from step_cost import ViT
 
 AXIS = "data"
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
