@@ -51,14 +51,45 @@ def _scaled(tree: optax.Params, scale_inverse: jax.Array) -> optax.Params:
   return jax.tree.map(lambda x: _upcast(x) * scale_inverse.astype(_upcast(x).dtype), tree)
 
 
+def _sum_of_products(a: optax.Params, b: optax.Params) -> jax.Array:
+  """sum_i a_i b_i over a pytree, accumulated in at least float32."""
+  terms = [
+    jnp.sum(_upcast(x) * _upcast(y))
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+  ]
+  return functools.reduce(jnp.add, terms, jnp.zeros((), jnp.float32))
+
+
+def _is_accurate(sum_of_squares: jax.Array, size: int) -> jax.Array:
+  """Whether a plain sum of squares neither overflowed nor lost entries to underflow.
+
+  Entries whose squares fall below the smallest normal number are lost; they
+  can contribute at most ``size * tiny``, which is below ``eps`` relative when
+  the sum is at least ``size * tiny / eps``.
+  """
+  info = jnp.finfo(sum_of_squares.dtype)
+  return jnp.isfinite(sum_of_squares) & (sum_of_squares >= size * (info.tiny / info.eps))
+
+
+def _scaled_norm(tree: optax.Params) -> jax.Array:
+  m = max_abs(tree)
+  return m * optax.tree.norm(_scaled(tree, _safe_inverse(m)))
+
+
 def global_norm(tree: optax.Params) -> jax.Array:
   r"""Overflow- and underflow-safe global L2 norm :math:`\|x\|_2` of a pytree.
 
-  Computed as :math:`m \, \|x / m\|_2` with :math:`m = \max_i |x_i|`, in at
-  least float32.
+  One pass computes the plain sum of squares in at least float32. Only when that
+  overflowed or underflowed (gradients around 1e±19 and beyond in float32) does
+  a ``lax.cond`` take the slow path, :math:`m \, \|x / m\|_2` with
+  :math:`m = \max_i |x_i|`.
   """
-  m = max_abs(tree)
-  return m * optax.tree.norm(_scaled(tree, _safe_inverse(m)))
+  sum_of_squares = _sum_of_products(tree, tree)
+  return jax.lax.cond(
+    _is_accurate(sum_of_squares, optax.tree.size(tree)),
+    lambda: jnp.sqrt(sum_of_squares),
+    lambda: _scaled_norm(tree).astype(sum_of_squares.dtype),
+  )
 
 
 class GradientStats(NamedTuple):
@@ -77,20 +108,35 @@ class GradientStats(NamedTuple):
 
 
 def gradient_stats(clean_grads: optax.Updates, perturbed_grads: optax.Updates) -> GradientStats:
-  """Norms of both gradients and the cosine between them, overflow-safe."""
-  clean_max, perturbed_max = max_abs(clean_grads), max_abs(perturbed_grads)
-  clean_unit = _scaled(clean_grads, _safe_inverse(clean_max))
-  perturbed_unit = _scaled(perturbed_grads, _safe_inverse(perturbed_max))
-  clean_unit_norm = optax.tree.norm(clean_unit)
-  perturbed_unit_norm = optax.tree.norm(perturbed_unit)
-  cosine = optax.tree.vdot(clean_unit, perturbed_unit) * _safe_inverse(
-    clean_unit_norm * perturbed_unit_norm
-  )
-  return GradientStats(
-    clean_norm=clean_max * clean_unit_norm,
-    perturbed_norm=perturbed_max * perturbed_unit_norm,
-    cosine=cosine,
-  )
+  """Norms of both gradients and the cosine between them, overflow-safe.
+
+  The common case is one fused pass (two sums of squares and the inner
+  product); rescaled sums run only when that pass overflowed or underflowed.
+  """
+  size = optax.tree.size(clean_grads)
+  clean_sq = _sum_of_products(clean_grads, clean_grads)
+  perturbed_sq = _sum_of_products(perturbed_grads, perturbed_grads)
+  dot = _sum_of_products(clean_grads, perturbed_grads)
+  accurate = _is_accurate(clean_sq, size) & _is_accurate(perturbed_sq, size) & jnp.isfinite(dot)
+
+  def fast():
+    clean_norm, perturbed_norm = jnp.sqrt(clean_sq), jnp.sqrt(perturbed_sq)
+    cosine = dot * _safe_inverse(clean_norm) * _safe_inverse(perturbed_norm)
+    return clean_norm, perturbed_norm, cosine
+
+  def rescaled():
+    clean_max, perturbed_max = max_abs(clean_grads), max_abs(perturbed_grads)
+    clean_unit = _scaled(clean_grads, _safe_inverse(clean_max))
+    perturbed_unit = _scaled(perturbed_grads, _safe_inverse(perturbed_max))
+    clean_unit_norm = optax.tree.norm(clean_unit)
+    perturbed_unit_norm = optax.tree.norm(perturbed_unit)
+    cosine = optax.tree.vdot(clean_unit, perturbed_unit) * _safe_inverse(
+      clean_unit_norm * perturbed_unit_norm
+    )
+    stats = (clean_max * clean_unit_norm, perturbed_max * perturbed_unit_norm, cosine)
+    return tuple(x.astype(dot.dtype) for x in stats)
+
+  return GradientStats(*jax.lax.cond(accurate, fast, rescaled))
 
 
 def perturbation(
