@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import optax
 
 from optax_gsam._src import perturbation as pert
+from optax_gsam._src.schedules import check_non_negative
 from optax_gsam._src.schedules import rho_from_lr
 from optax_gsam._src.schedules import schedule_extrema
 from optax_gsam._src.sharpness import gsam
@@ -537,6 +538,15 @@ def gsam_gradient(
     raise ValueError(f"loss_fn must be callable, got {type(loss_fn).__name__}.")
   if _is_number(eps) and not eps > 0:
     raise ValueError(f"eps must be > 0, got {eps!r}.")
+  # Python numbers are checked here; arrays (a traced lr, say) have no value yet.
+  for name, value in (("rho_max", rho_max), ("rho_min", rho_min), ("alpha", alpha)):
+    check_non_negative(name, value)
+  for name, value in (("lr_max", lr_max), ("lr_min", lr_min)):
+    check_non_negative(name, value)
+  if _is_number(rho_min) and _is_number(rho_max) and rho_min > rho_max:
+    raise ValueError(f"rho_min ({rho_min}) must be <= rho_max ({rho_max}).")
+  if _is_number(lr_min) and _is_number(lr_max) and lr_min > lr_max:
+    raise ValueError(f"lr_min ({lr_min}) must be <= lr_max ({lr_max}).")
   _check_bool("adaptive_perturbation", adaptive_perturbation)
   _check_bool("minimize_fp", minimize_fp)
   clean_loss, clean_grads = jax.value_and_grad(loss_fn)(params, inputs, targets)

@@ -72,6 +72,23 @@ class TrainState(train_state.TrainState):
     <https://openreview.net/forum?id=edONMAnhLu->`_, ICLR 2022.
   """
 
+  @classmethod
+  def create(cls, *, apply_fn: Any, params: Any, tx: optax.GradientTransformation, **kwargs: Any):
+    """Flax's ``TrainState.create``, with ``tx`` checked first.
+
+    Raises:
+      ValueError: when ``tx`` is not an optax ``GradientTransformation`` (an
+        object with callable ``init`` and ``update``), e.g. the factory
+        ``optax.sgd`` instead of ``optax.sgd(lr)``.
+    """
+    if not (callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))):
+      hint = " (a factory: call it, e.g. optax.sgd(0.1))" if callable(tx) else ""
+      raise ValueError(
+        "tx must be an optax.GradientTransformation, an object with init and update such as "
+        f"optax.chain(optax_gsam.gsam(...), optax.sgd(lr)); got {tx!r}{hint}."
+      )
+    return super().create(apply_fn=apply_fn, params=params, tx=tx, **kwargs)
+
   def apply_gradients(self, *, grads: Any, **kwargs: Any) -> TrainState:
     """Applies ``grads`` with ``tx``, forwarding the non-field kwargs to ``tx.update``.
 

@@ -78,7 +78,7 @@ CASES = [
   dict(batch=16, chunk=16, loss="reference"),
   dict(batch=13, chunk=4, loss="reference"),
   dict(batch=13, chunk=1, loss="reference"),
-  dict(batch=5, chunk=8, loss="reference"),
+  dict(batch=8, chunk=8, loss="reference"),
   dict(batch=13, chunk=5, loss="tiled"),
 ]
 

@@ -115,10 +115,11 @@ def _merge(head, tail):
 class _Tower:
   """One embed function with its chunk size and key derivation."""
 
-  def __init__(self, fn: EmbedFn, chunk_size: int, per_example_keys: bool):
+  def __init__(self, fn: EmbedFn, chunk_size: int, per_example_keys: bool, name: str = "batch"):
     self.fn = fn
     self.chunk_size = chunk_size
     self.per_example_keys = per_example_keys
+    self.name = name
 
   def call(self, params, chunk, key, chunk_index, start, size):
     if key is None:
@@ -129,7 +130,13 @@ class _Tower:
     return self.fn(params, chunk, jax.random.fold_in(key, chunk_index))
 
   def layout(self, batch):
-    n = _leading_size(batch, "a tower's batch")
+    n = _leading_size(batch, self.name)
+    if self.chunk_size > n:
+      raise ValueError(
+        f"chunk_size={self.chunk_size} is larger than the {self.name}, which has {n} examples "
+        "(the local shard under axis_name). Use a chunk_size between 1 and the number of "
+        "examples; chunk_size equal to it computes the whole batch as one chunk."
+      )
     return n, n // self.chunk_size, n % self.chunk_size
 
   def embed(self, params, batch, key, offsets):
@@ -296,7 +303,13 @@ def cached_value_and_grad(
         ) from error
     for size in sizes:
       _check_chunk_size(size)
-    towers = [_Tower(f, s, per_example_keys) for f, s in zip(leaves, sizes, strict=True)]
+    names = [
+      f"batch of tower {jax.tree_util.keystr(path)}"
+      for path, _ in jax.tree_util.tree_flatten_with_path(embed_fn)[0]
+    ]
+    towers = [
+      _Tower(f, s, per_example_keys, name) for f, s, name in zip(leaves, sizes, names, strict=True)
+    ]
   else:
     _check_chunk_size(chunk_size)
     towers_def = None

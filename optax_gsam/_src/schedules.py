@@ -15,16 +15,40 @@ def _is_real_number(value) -> bool:
   return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
-def check_non_negative(name: str, value) -> None:
-  """Raises a ValueError naming ``name`` unless a concrete number is finite and >= 0.
+def _is_scalar_array(value) -> bool:
+  """A 0-d numeric array (concrete or traced), as ``optax.inject_hyperparams`` passes."""
+  shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
+  if shape is None or dtype is None or tuple(shape) != ():
+    return False
+  return bool(jnp.issubdtype(dtype, jnp.number)) and not jnp.issubdtype(dtype, jnp.bool_)
 
-  Traced or array values (as passed by ``optax.inject_hyperparams``) and
-  schedules are not checked: they have no concrete value at construction.
+
+def check_non_negative(name: str, value, *, schedule: bool = False, bound: str = ">= 0") -> None:
+  """Raises a ValueError naming ``name`` unless ``value`` is a finite number >= 0.
+
+  0-d numeric arrays (as passed by ``optax.inject_hyperparams``, possibly
+  traced) are accepted without a value check: they need not have a concrete
+  value at construction. ``schedule=True`` only adds "or a schedule" to the
+  message: callers accept schedules before calling this.
   """
+  allowed = f"a finite number {bound}" + (
+    ", a scalar array or a schedule" if schedule else " or a scalar array"
+  )
   if isinstance(value, bool):
-    raise ValueError(f"{name} must be a number or a schedule, got the bool {value!r}.")
-  if _is_real_number(value) and not (math.isfinite(value) and value >= 0):
-    raise ValueError(f"{name} must be a finite number >= 0, got {value!r}.")
+    raise ValueError(f"{name} must be {allowed}, got the bool {value!r}.")
+  if _is_real_number(value):
+    if not (math.isfinite(value) and value >= 0):
+      raise ValueError(f"{name} must be a finite number {bound}, got {value!r}.")
+    return
+  if not _is_scalar_array(value):
+    raise ValueError(f"{name} must be {allowed}, got {value!r}.")
+
+
+def check_positive(name: str, value) -> None:
+  """Raises a ValueError naming ``name`` unless ``value`` is a finite number > 0 (or a 0-d array)."""
+  check_non_negative(name, value, bound="> 0")
+  if _is_real_number(value) and not value > 0:
+    raise ValueError(f"{name} must be a finite number > 0, got {value!r}.")
 
 
 def schedule_extrema(schedule: optax.ScalarOrSchedule, num_steps: int) -> tuple[float, float]:
@@ -112,7 +136,7 @@ def rho_from_lr(
   if not isinstance(clamp, bool):
     raise ValueError(f"clamp must be a bool, got {clamp!r}.")
   if not callable(lr_schedule):
-    check_non_negative("lr_schedule", lr_schedule)
+    check_non_negative("lr_schedule", lr_schedule, schedule=True)
   for name, value in (("lr_max", lr_max), ("lr_min", lr_min)):
     if value is not None:
       check_non_negative(name, value)

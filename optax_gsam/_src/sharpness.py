@@ -14,6 +14,7 @@ import optax
 
 from optax_gsam._src import perturbation as pert
 from optax_gsam._src.schedules import check_non_negative
+from optax_gsam._src.schedules import check_positive
 
 LossFn = Callable[[optax.Params], jax.Array]
 ValueAndGradFn = Callable[[optax.Params], tuple[Any, optax.Updates]]
@@ -96,7 +97,17 @@ def _scalar_loss(value) -> jax.Array:
   return value.astype(jnp.float32)
 
 
-def _check_structures(updates, params) -> None:
+def _shape_mismatches(a, b) -> list[str]:
+  """'path: shape vs shape' for every leaf pair of two same-structure pytrees whose shapes differ."""
+  paths_a = jax.tree_util.tree_flatten_with_path(a)[0]
+  return [
+    f"{jax.tree_util.keystr(path)}: {jnp.shape(x)} vs {jnp.shape(y)}"
+    for (path, x), y in zip(paths_a, jax.tree.leaves(b), strict=True)
+    if jnp.shape(x) != jnp.shape(y)
+  ]
+
+
+def _check_structures(updates, params, correction=None) -> None:
   if params is None:
     raise ValueError("gsam/sam need params: call tx.update(grads, opt_state, params, loss_fn=...).")
   updates_structure, params_structure = jax.tree.structure(updates), jax.tree.structure(params)
@@ -104,6 +115,21 @@ def _check_structures(updates, params) -> None:
     raise ValueError(
       "The gradient and params pytrees differ in structure: "
       f"{updates_structure} vs {params_structure}."
+    )
+  mismatches = _shape_mismatches(updates, params)
+  if mismatches:
+    raise ValueError(
+      "The gradient and params pytrees differ in leaf shapes (gradient vs params): "
+      + "; ".join(mismatches[:5])
+      + "."
+    )
+  if correction is None:
+    return
+  if jax.tree.structure(correction) != params_structure or _shape_mismatches(correction, params):
+    raise ValueError(
+      "The optimizer state was initialised for other params: its stored direction "
+      "(GSAMState.correction) does not match the structure and shapes of params. Call "
+      "tx.init(params) with these params, or restore the checkpoint into tx.init(params)."
     )
 
 
@@ -265,12 +291,11 @@ def gsam(
     <https://arxiv.org/abs/2203.02714>`_, CVPR 2022.
   """
   if not callable(rho):
-    check_non_negative("rho", rho)
+    check_non_negative("rho", rho, schedule=True)
   check_non_negative("alpha", alpha)
   if not callable(reuse_weight):
-    check_non_negative("reuse_weight", reuse_weight)
-  if isinstance(eps, numbers.Real) and not eps > 0:
-    raise ValueError(f"eps must be > 0, got {eps!r}.")
+    check_non_negative("reuse_weight", reuse_weight, schedule=True)
+  check_positive("eps", eps)
   if adaptive not in pert.ADAPTIVE_CHOICES:
     raise ValueError(f"adaptive must be one of {pert.ADAPTIVE_CHOICES}, got {adaptive!r}.")
   for name, flag in (("minimize_fp", minimize_fp), ("sync_perturbation", sync_perturbation)):
@@ -434,7 +459,7 @@ def gsam(
     **extra_args: Any,
   ) -> tuple[optax.Updates, GSAMState]:
     del extra_args
-    _check_structures(updates, params)
+    _check_structures(updates, params, state.correction if cheap else None)
     rho_t = value_at(rho, state.count)
     weight = value_at(reuse_weight, state.count) if cheap else None
     if num_groups is None:
