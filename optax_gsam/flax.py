@@ -44,10 +44,12 @@ class TrainState(train_state.TrainState):
   ``optax.sgd``) ignores them, so the same train step runs with or without GSAM.
   Everything else, ``create`` and the ``step`` counter included, is Flax's.
 
-  Subclass it to add collections, as with Flax's class::
+  Subclass it to add collections, as with Flax's class:
 
-    class BatchNormState(optax_gsam.flax.TrainState):
-      batch_stats: Any
+    >>> from typing import Any
+    >>> import optax_gsam.flax
+    >>> class BatchNormState(optax_gsam.flax.TrainState):
+    ...   batch_stats: Any
 
   Example:
     >>> import jax, jax.numpy as jnp, optax, optax_gsam

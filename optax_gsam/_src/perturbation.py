@@ -5,8 +5,9 @@ pytrees to pytrees and scalars, so the optax transforms, the big_vision adapter
 and the tests of every one of them share one implementation of the formulas.
 
 Numerics. Norms and inner products are accumulated in at least float32 (float64
-stays float64), whatever the leaf dtype, and they are computed on the pytree
-rescaled by its largest absolute entry. That keeps them exact in relative terms
+stays float64), whatever the leaf dtype, in one pass; only when that pass
+overflowed or underflowed are they recomputed on the pytree rescaled by its
+largest absolute entry. That keeps them exact in relative terms
 for gradients as small as 1e-30 or as large as 1e30 in float32, where a naive
 sum of squares would underflow to 0 or overflow to inf. Every division is
 guarded: a zero gradient produces a zero perturbation and a finite output.
