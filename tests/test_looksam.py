@@ -188,3 +188,34 @@ def test_perturb_every_validation_and_inject_hyperparams():
   for _ in range(3):
     _, state = tx.update(jax.grad(loss_fn)(w), state, w, loss_fn=loss_fn)
   assert int(state.inner_state.count) == 3
+
+
+def test_static_perturb_override_equals_the_cond_schedule():
+  params, loss_jax, _, _ = make_problem(seed=16)
+  p0 = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), params)
+  tx = optax.chain(optax_gsam.gsam(0.1, 0.3, perturb_every=3), optax.sgd(0.1))
+
+  def step(p, state, perturb=None):
+    updates, state = tx.update(jax.grad(loss_jax)(p), state, p, loss_fn=loss_jax, perturb=perturb)
+    return optax.apply_updates(p, updates), state
+
+  scheduled = jax.jit(step)
+  full, cheap = (
+    jax.jit(functools.partial(step, perturb=True)),
+    jax.jit(functools.partial(step, perturb=False)),
+  )
+  conds = lambda f: str(jax.make_jaxpr(f)(p0, tx.init(p0))).count("cond[")
+  assert conds(full) < conds(scheduled)  # only the norms' overflow guards remain
+  a, sa = p0, tx.init(p0)
+  b, sb = p0, tx.init(p0)
+  for t in range(7):
+    a, sa = scheduled(a, sa)
+    b, sb = (full if t % 3 == 0 else cheap)(b, sb)
+  jax.tree.map(
+    lambda u, v: np.testing.assert_allclose(u, v, rtol=1e-6, atol=1e-7), (a, sa), (b, sb)
+  )
+  with pytest.raises(ValueError, match="perturb"):
+    tx.update(jax.grad(loss_jax)(p0), tx.init(p0), p0, loss_fn=loss_jax, perturb=jnp.bool_(True))
+  plain = optax_gsam.gsam(0.1)
+  with pytest.raises(ValueError, match="perturb_every"):
+    plain.update(jax.grad(loss_jax)(p0), plain.init(p0), p0, loss_fn=loss_jax, perturb=False)

@@ -238,8 +238,14 @@ def gsam(
   :math:`g_c + \lambda_t \|g_c\| v / \|v\|` with :math:`\lambda_t` =
   ``reuse_weight``. For SAM this is LookSAM (Liu et al., 2022); for GSAM,
   :math:`v` also carries the surrogate-gap term, so both corrections are
-  reused. Under ``jax.vmap`` the ``lax.cond`` becomes a select that runs both
-  branches; use ``num_groups`` there. The diagnostics keep the values of the
+  reused. ``update(..., perturb=True|False)``, a static Python bool, fixes the
+  branch at trace time instead of the ``lax.cond``: jit one step function per
+  branch and pick it in Python (e.g. ``step % k == 0``). That avoids XLA CPU's
+  slow convolutions inside conditionals (jax-ml/jax#12868), where a ``lax.cond``
+  full step can cost many times a plain one. Under ``jax.vmap`` the ``lax.cond``
+  stays a conditional while the state is not batched (as in
+  :func:`optax_gsam.emulate_devices`); vmapping over optimizer states turns it
+  into a select that runs both branches. The diagnostics keep the values of the
   last full step.
 
   Args:
@@ -374,7 +380,13 @@ def gsam(
       ]
     )
 
-  def data_parallel_update(updates, state, params, grad_fn, value, rho_t, weight):
+  def choose_branch(full, reuse, count, perturb):
+    """The perturbed pass on every k-th step (lax.cond), or as the caller fixes it statically."""
+    if perturb is None:
+      return jax.lax.cond(count % perturb_every == 0, full, reuse, None)
+    return full(None) if perturb else reuse(None)
+
+  def data_parallel_update(updates, state, params, grad_fn, value, rho_t, weight, perturb):
     """Single device, or one replica under axis_name."""
     synchronized = axis_name is not None and sync_perturbation
     per_device = axis_name is not None and not sync_perturbation
@@ -403,9 +415,9 @@ def gsam(
         direction = _pmean(direction, axis_name)
       return direction, state.correction, previous_diagnostics(state)
 
-    return jax.lax.cond(state.count % perturb_every == 0, full, reuse, None)
+    return choose_branch(full, reuse, state.count, perturb)
 
-  def grouped_update(updates, state, params, group_fn, rho_t, weight):
+  def grouped_update(updates, state, params, group_fn, rho_t, weight, perturb):
     """num_groups emulation: a scan over groups, each perturbed with its own gradient."""
     groups = jnp.arange(num_groups, dtype=jnp.int32)
     accumulation = _accumulator(updates)
@@ -446,7 +458,7 @@ def gsam(
 
       return scan_groups(body, accumulation), state.correction, previous_diagnostics(state)
 
-    return jax.lax.cond(state.count % perturb_every == 0, full, reuse, None)
+    return choose_branch(full, reuse, state.count, perturb)
 
   def update_fn(
     updates: optax.Updates,
@@ -456,16 +468,25 @@ def gsam(
     loss_fn: Callable | None = None,
     value_and_grad_fn: Callable | None = None,
     value: jax.Array | None = None,
+    perturb: bool | None = None,
     **extra_args: Any,
   ) -> tuple[optax.Updates, GSAMState]:
     del extra_args
+    if perturb is not None and not isinstance(perturb, bool):
+      raise ValueError(
+        f"perturb must be None or a Python bool (static; not an array), got {perturb!r}."
+      )
+    if perturb is False and not cheap:
+      raise ValueError(
+        "perturb=False reuses a stored direction, which only perturb_every > 1 keeps."
+      )
     _check_structures(updates, params, state.correction if cheap else None)
     rho_t = value_at(rho, state.count)
     weight = value_at(reuse_weight, state.count) if cheap else None
     if num_groups is None:
       grad_fn = _grad_fn_from(loss_fn, value_and_grad_fn)
       direction, correction, diagnostics = data_parallel_update(
-        updates, state, params, grad_fn, value, rho_t, weight
+        updates, state, params, grad_fn, value, rho_t, weight, perturb
       )
     else:
       _grad_fn_from(loss_fn, value_and_grad_fn)  # Validates the arguments.
@@ -474,15 +495,15 @@ def gsam(
       else:
         group_fn = lambda group: lambda p: value_and_grad_fn(p, group)
       direction, correction, diagnostics = grouped_update(
-        updates, state, params, group_fn, rho_t, weight
+        updates, state, params, group_fn, rho_t, weight, perturb
       )
     direction = optax.tree.cast_like(direction, updates)
     if cheap:
-      # A non-finite step never replaces the stored direction.
+      # A non-finite step (its gradients or its perturbed loss) never replaces the stored
+      # direction.
+      finite = _all_finite(correction) & jnp.isfinite(diagnostics[0])
       correction = jax.tree.map(
-        lambda new, old: jnp.where(_all_finite(correction), new, old),
-        correction,
-        state.correction,
+        lambda new, old: jnp.where(finite, new, old), correction, state.correction
       )
     new_state = GSAMState(
       count=optax.safe_increment(state.count),
