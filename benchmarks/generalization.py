@@ -114,6 +114,9 @@ CONTENDERS: dict[str, Contender] = {
   "base": Contender(lambda base, hp: base, "base", "plain"),
   "sam": Contender(lambda base, hp: optax.chain(optax_gsam.sam(hp.rho), base), "sam"),
   "gsam": Contender(lambda base, hp: optax.chain(optax_gsam.gsam(hp.rho, hp.alpha), base), "gsam"),
+  "gsam k=5": Contender(
+    lambda base, hp: optax.chain(optax_gsam.gsam(hp.rho, hp.alpha, perturb_every=5), base), "gsam"
+  ),
 }
 
 # Chosen with --tune (see the module docstring and generalization_tune.json).
