@@ -145,13 +145,14 @@ def plot(memory, path):
   fig.savefig(path, dpi=120)
 
 
-def main():
+def main(argv: list[str] | None = None) -> dict:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true", help="about a minute on 2 CPU cores")
   parser.add_argument("--chunk", type=int, default=128)
   parser.add_argument("--tile", type=int, default=128)
   parser.add_argument("--rounds", type=int, default=None)
-  args = parser.parse_args()
+  parser.add_argument("--out-dir", type=pathlib.Path, default=RESULTS)
+  args = parser.parse_args(argv)
 
   config = dict(
     seq=32, image_features=48, text_features=32, width=64, depth=2, heads=4, mlp=256, out=32
@@ -198,7 +199,7 @@ def main():
   worst = max(r[n] for r in time_ratios.values() for n in ("cached", "cached+tiled"))
   print(f"worst cached / full time ratio: {worst:.2f}x (target <= 1.35x)")
 
-  RESULTS.mkdir(parents=True, exist_ok=True)
+  args.out_dir.mkdir(parents=True, exist_ok=True)
   result = {
     "command": "python benchmarks/gradient_cache.py" + (" --quick" if args.quick else ""),
     "config": config,
@@ -215,9 +216,10 @@ def main():
       "jax": jax.__version__,
     },
   }
-  (RESULTS / "gradient_cache.json").write_text(json.dumps(result, indent=2) + "\n")
-  plot(memory, RESULTS / "gradient_cache.png")
-  print(f"\nwrote {RESULTS / 'gradient_cache.json'} and gradient_cache.png")
+  (args.out_dir / "gradient_cache.json").write_text(json.dumps(result, indent=2) + "\n")
+  plot(memory, args.out_dir / "gradient_cache.png")
+  print(f"\nwrote {args.out_dir / 'gradient_cache.json'} and gradient_cache.png")
+  return result
 
 
 if __name__ == "__main__":

@@ -82,3 +82,15 @@ def test_generalization_smoke(generalization, tmp_path, monkeypatch):
     for key in ("noise_fitted", "train_loss", "lambda_max", "gap"):
       assert math.isfinite(row[f"{key}_mean"]), key
     assert row["lambda_max_mean"] > 0
+
+
+def test_accelerator_script_refuses_the_cpu_and_plans_every_benchmark(tmp_path):
+  accelerator = _load("accelerator")
+  with pytest.raises(SystemExit, match="No accelerator"):
+    accelerator.main([])
+  plan = accelerator.plan(tmp_path, quick=True)
+  assert set(plan) == {"step_cost", "generalization", "gradient_cache"}
+  for name, args in plan.items():
+    source = (BENCHMARKS / f"{name}.py").read_text()
+    for flag in (a for a in args if a.startswith("--")):
+      assert f'"{flag}"' in source, (name, flag)  # each script accepts what it is given
