@@ -6,6 +6,8 @@ package's own helpers.
 """
 
 import functools
+import pathlib
+import re
 
 import flax.serialization
 import jax
@@ -708,3 +710,17 @@ def test_gradient_cache_and_big_vision_keep_mixed_dtypes():
     p, jnp.ones((4, 3)), jnp.zeros((4, 2)), 0.6, 0.1, 0.5, 1e-3, 3e-3, 3e-5
   )
   assert bv_grads["w"].dtype == jnp.bfloat16 and bv_grads["s"].dtype == jnp.float32
+
+
+# --- The Guarantees page names tests that exist ----------------------------------------------------
+
+
+def test_every_test_named_in_the_guarantees_page_exists():
+  root = pathlib.Path(__file__).resolve().parents[1]
+  page = (root / "docs" / "guarantees.md").read_text()
+  aliases = {"R": "test_reliability.py", "P": "test_properties.py"}
+  named = re.findall(r"`(R|P|test_\w+\.py)::(test_\w+)`", page)
+  assert len(named) > 20
+  for module, test in named:
+    source = (root / "tests" / aliases.get(module, module)).read_text()
+    assert re.search(rf"^def {test}\(", source, re.M), f"{module}::{test}"
