@@ -228,7 +228,8 @@ def cached_value_and_grad(
 
   * ``batch``: any pytree whose leaves hold the examples on axis 0. A size that
     is not a multiple of ``chunk_size`` is handled exactly: the last, smaller
-    chunk is embedded on its own (nothing is padded).
+    chunk is embedded on its own (nothing is padded). A ``chunk_size`` larger
+    than the batch (or the local shard) raises a ``ValueError`` at call time.
   * Towers with their own chunk sizes: pass ``embed_fn`` as a tuple/list/dict
     of per-tower functions, ``batch`` with the same top-level container (one
     sub-batch per tower; towers may hold different numbers of examples, e.g.

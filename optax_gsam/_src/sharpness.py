@@ -39,7 +39,8 @@ class GSAMState(NamedTuple):
     clean_grad_norm: :math:`\\|g_c\\|`.
     perturbed_grad_norm: :math:`\\|g_p\\|`.
     correction: with ``perturb_every > 1``, the stored direction :math:`v`
-      reused on cheap steps (params-shaped); ``None`` otherwise.
+      reused on cheap steps (params-shaped); ``None`` otherwise. A step whose
+      gradients or perturbed loss are not finite keeps the previous one.
   """
 
   count: jax.Array
