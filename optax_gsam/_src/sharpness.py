@@ -28,9 +28,10 @@ class GSAMState(NamedTuple):
   ``optax.tree.get(opt_state, "surrogate_gap")``.
 
   Attributes:
-    count: number of updates so far; rho schedules are evaluated at it. Starts
-      at 0 and is never reset, so it stays aligned with the step counts of the
-      optimizers chained after the transform.
+    count: number of updates with a finite output so far; rho schedules are
+      evaluated at it. Starts at 0 and is never reset, so it stays aligned with
+      the step counts of the optimizers chained after the transform (behind
+      ``optax.apply_if_finite``, which skips the non-finite ones).
     rho: the radius used by the last update.
     perturbed_loss: :math:`f_p = f(w + \\epsilon)`.
     surrogate_gap: :math:`h = f_p - f`, when the clean loss was passed as
@@ -506,8 +507,11 @@ def gsam(
       correction = jax.tree.map(
         lambda new, old: jnp.where(finite, new, old), correction, state.correction
       )
+    # A step whose output is not finite does not count: with the rest of the chain behind
+    # optax.apply_if_finite, rho schedules stay aligned with the optimizers after this one.
+    count = jnp.where(_all_finite(direction), optax.safe_increment(state.count), state.count)
     new_state = GSAMState(
-      count=optax.safe_increment(state.count),
+      count=count,
       rho=rho_t.astype(jnp.float32),
       perturbed_loss=diagnostics[0],
       surrogate_gap=diagnostics[1],
