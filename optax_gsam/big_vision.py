@@ -28,10 +28,10 @@ import jax.numpy as jnp
 import optax
 
 from optax_gsam._src import perturbation as pert
-from optax_gsam._src.schedules import check_non_negative
 from optax_gsam._src.schedules import rho_from_lr
 from optax_gsam._src.schedules import schedule_extrema
 from optax_gsam._src.sharpness import gsam
+from optax_gsam._src.validation import check_non_negative
 
 __all__ = (
   "gsam_from_config",

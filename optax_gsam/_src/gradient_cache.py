@@ -29,18 +29,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from optax_gsam._src.validation import check_axis_name
+
 EmbedFn = Callable[..., Any]
 LossFn = Callable[[optax.Params, Any], Any]
-
-
-def _check_axis_name(axis_name) -> None:
-  if axis_name is None:
-    return
-  names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
-  if not names or not all(isinstance(n, Hashable) and n is not None for n in names):
-    raise ValueError(
-      f"axis_name must be None, a hashable axis name or a tuple of them, got {axis_name!r}."
-    )
 
 
 def _check_chunk_size(value, where: str = "chunk_size") -> None:
@@ -320,7 +312,7 @@ def cached_value_and_grad(
   for name, flag in (("has_aux", has_aux), ("per_example_keys", per_example_keys)):
     if not isinstance(flag, bool):
       raise ValueError(f"{name} must be a bool, got {flag!r}.")
-  _check_axis_name(axis_name)
+  check_axis_name(axis_name)
 
   def value_and_grad_fn(params: optax.Params, batch: Any, key: jax.Array | None = None):
     if towers_def is None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import numbers
 
 import jax
@@ -10,45 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-
-def _is_real_number(value) -> bool:
-  return isinstance(value, numbers.Real) and not isinstance(value, bool)
-
-
-def _is_scalar_array(value) -> bool:
-  """A 0-d numeric array (concrete or traced), as ``optax.inject_hyperparams`` passes."""
-  shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
-  if shape is None or dtype is None or tuple(shape) != ():
-    return False
-  return bool(jnp.issubdtype(dtype, jnp.number)) and not jnp.issubdtype(dtype, jnp.bool_)
-
-
-def check_non_negative(name: str, value, *, schedule: bool = False, bound: str = ">= 0") -> None:
-  """Raises a ValueError naming ``name`` unless ``value`` is a finite number >= 0.
-
-  0-d numeric arrays (as passed by ``optax.inject_hyperparams``, possibly
-  traced) are accepted without a value check: they need not have a concrete
-  value at construction. ``schedule=True`` only adds "or a schedule" to the
-  message: callers accept schedules before calling this.
-  """
-  allowed = f"a finite number {bound}" + (
-    ", a scalar array or a schedule" if schedule else " or a scalar array"
-  )
-  if isinstance(value, bool):
-    raise ValueError(f"{name} must be {allowed}, got the bool {value!r}.")
-  if _is_real_number(value):
-    if not (math.isfinite(value) and value >= 0):
-      raise ValueError(f"{name} must be a finite number {bound}, got {value!r}.")
-    return
-  if not _is_scalar_array(value):
-    raise ValueError(f"{name} must be {allowed}, got {value!r}.")
-
-
-def check_positive(name: str, value) -> None:
-  """Raises a ValueError naming ``name`` unless ``value`` is a finite number > 0 (or a 0-d array)."""
-  check_non_negative(name, value, bound="> 0")
-  if _is_real_number(value) and not value > 0:
-    raise ValueError(f"{name} must be a finite number > 0, got {value!r}.")
+from optax_gsam._src.validation import check_non_negative
+from optax_gsam._src.validation import is_real_number
 
 
 def schedule_extrema(schedule: optax.ScalarOrSchedule, num_steps: int) -> tuple[float, float]:
@@ -129,7 +91,7 @@ def rho_from_lr(
   """
   check_non_negative("rho_max", rho_max)
   check_non_negative("rho_min", rho_min)
-  if not (_is_real_number(rho_max) and _is_real_number(rho_min)):
+  if not (is_real_number(rho_max) and is_real_number(rho_min)):
     raise ValueError("rho_max and rho_min must be numbers.")
   if rho_min > rho_max:
     raise ValueError(f"rho_min ({rho_min}) must be <= rho_max ({rho_max}).")

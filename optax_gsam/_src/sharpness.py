@@ -13,8 +13,9 @@ import jax.numpy as jnp
 import optax
 
 from optax_gsam._src import perturbation as pert
-from optax_gsam._src.schedules import check_non_negative
-from optax_gsam._src.schedules import check_positive
+from optax_gsam._src.validation import check_axis_name
+from optax_gsam._src.validation import check_non_negative
+from optax_gsam._src.validation import check_positive
 
 LossFn = Callable[[optax.Params], jax.Array]
 ValueAndGradFn = Callable[[optax.Params], tuple[Any, optax.Updates]]
@@ -52,16 +53,6 @@ class GSAMState(NamedTuple):
   clean_grad_norm: jax.Array
   perturbed_grad_norm: jax.Array
   correction: optax.Updates | None = None
-
-
-def _check_axis_name(axis_name) -> None:
-  if axis_name is None:
-    return
-  names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
-  if not names or not all(isinstance(n, Hashable) and n is not None for n in names):
-    raise ValueError(
-      f"axis_name must be None, a hashable axis name or a tuple of them, got {axis_name!r}."
-    )
 
 
 def _pmean(tree, axis_name):
@@ -309,7 +300,7 @@ def gsam(
   for name, flag in (("minimize_fp", minimize_fp), ("sync_perturbation", sync_perturbation)):
     if not isinstance(flag, bool):
       raise ValueError(f"{name} must be a bool, got {flag!r}.")
-  _check_axis_name(axis_name)
+  check_axis_name(axis_name)
   if sync_perturbation and axis_name is None:
     raise ValueError(
       "sync_perturbation=True needs axis_name: it averages the clean gradient over that axis."
