@@ -54,9 +54,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
-import platform
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -72,6 +69,10 @@ from jax.flatten_util import ravel_pytree
 
 import optax_gsam
 from optax_gsam import demo
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import code_version
+from _common import machine
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 NOISE_LEVELS = (0.0, 0.2, 0.4)
@@ -383,33 +384,6 @@ def plot(rows: list[dict], path: Path) -> None:
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   plt.close(fig)
-
-
-def code_version() -> dict[str, Any]:
-  """The optax_gsam commit measured, and whether its package sources differ from it."""
-  root = Path(optax_gsam.__file__).resolve().parents[1]
-  try:
-    git = lambda *a: subprocess.run(
-      ["git", "-C", str(root), *a], capture_output=True, text=True, check=True
-    ).stdout.strip()
-    return {
-      "commit": git("rev-parse", "HEAD"),
-      "dirty": bool(git("status", "--porcelain", "optax_gsam")),
-    }
-  except (OSError, subprocess.CalledProcessError):
-    return {"commit": os.environ.get("OPTAX_GSAM_COMMIT", "unknown"), "dirty": None}
-
-
-def machine() -> dict[str, str]:
-  """Where the numbers were measured."""
-  cpu = platform.processor() or "unknown"
-  try:
-    with open("/proc/cpuinfo") as f:
-      models = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
-    cpu = models[0] if models else cpu
-  except OSError:
-    pass
-  return {"nproc": str(os.cpu_count()), "cpu": cpu, "jax": jax.__version__}
 
 
 # ----------------------------------------------------------------------------- tuning

@@ -38,11 +38,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
-import platform
 import random
 import re
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -57,6 +54,10 @@ import numpy as np
 import optax
 
 import optax_gsam
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import code_version
+from _common import machine
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
@@ -420,39 +421,6 @@ def format_table(rows: list[dict]) -> str:
   ]
   lines.insert(1, "  ".join("-" * w for w in widths))
   return "\n".join(lines)
-
-
-def code_version() -> dict[str, Any]:
-  """The optax_gsam commit measured, and whether its package sources differ from it."""
-  root = Path(optax_gsam.__file__).resolve().parents[1]
-  try:
-    git = lambda *a: subprocess.run(
-      ["git", "-C", str(root), *a], capture_output=True, text=True, check=True
-    ).stdout.strip()
-    return {
-      "commit": git("rev-parse", "HEAD"),
-      "dirty": bool(git("status", "--porcelain", "optax_gsam")),
-    }
-  except (OSError, subprocess.CalledProcessError):
-    return {"commit": os.environ.get("OPTAX_GSAM_COMMIT", "unknown"), "dirty": None}
-
-
-def machine() -> dict[str, str]:
-  """Where the numbers were measured."""
-  cpu = platform.processor() or "unknown"
-  try:
-    with open("/proc/cpuinfo") as f:
-      models = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
-    cpu = models[0] if models else cpu
-  except OSError:
-    pass
-  return {
-    "nproc": str(os.cpu_count()),
-    "cpu": cpu,
-    "jax": jax.__version__,
-    "optax": optax.__version__,
-    "backend": jax.default_backend(),
-  }
 
 
 def plot(rows: list[dict], path: Path) -> None:
