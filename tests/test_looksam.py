@@ -219,3 +219,16 @@ def test_static_perturb_override_equals_the_cond_schedule():
   plain = optax_gsam.gsam(0.1)
   with pytest.raises(ValueError, match="perturb_every"):
     plain.update(jax.grad(loss_jax)(p0), plain.init(p0), p0, loss_fn=loss_jax, perturb=False)
+
+
+def test_sam_takes_the_cheap_step_options_too():
+  params, loss_jax, _, _ = make_problem(seed=17)
+  p = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), params)
+  looksam = optax_gsam.sam(0.1, perturb_every=2, reuse_weight=0.5)
+  same = optax_gsam.gsam(0.1, 0.0, perturb_every=2, reuse_weight=0.5)
+  sa, sb = looksam.init(p), same.init(p)
+  for _ in range(3):
+    ua, sa = looksam.update(jax.grad(loss_jax)(p), sa, p, loss_fn=loss_jax)
+    ub, sb = same.update(jax.grad(loss_jax)(p), sb, p, loss_fn=loss_jax)
+    jax.tree.map(np.testing.assert_array_equal, ua, ub)
+  assert sa.correction is not None

@@ -14,7 +14,14 @@ losses walk over blocks of ``tile_size`` rows, so value and gradient need
 With ``axis_name`` (inside ``jax.shard_map``), each device holds its shard of
 the pairs, gathers the other modality and computes its own rows; the result is
 the loss of the global batch, the same on every device, and gradients flow to
-the local shards.
+the local shards. Under ``shard_map`` with ``check_vma=True`` (JAX's default)
+the per-device gradients are then already the global ones. Under ``jax.pmap``
+or ``check_vma=False`` (as in :func:`optax_gsam.data_parallel`) each device's
+gradient is its term of a sum taken over devices: average them with
+``jax.lax.pmean`` (which ``gsam(..., axis_name=...)`` does), never ``psum``.
+With a batch-coupled loss like these, per-device perturbation mixes
+embeddings computed at differently perturbed weights; prefer
+``sync_perturbation=True`` there, or the gradient cache's own ``axis_name``.
 """
 
 from __future__ import annotations
@@ -230,7 +237,8 @@ def clip_loss(
     axis_name: inside ``jax.shard_map`` over this axis, the embeddings are the
       local shards of the global batch (same size on every device); the loss is
       that of the global batch. Each device computes its rows against the
-      gathered other modality.
+      gathered other modality. See the module notes for how to average the
+      resulting gradients under ``pmap`` or ``check_vma=False``.
 
   Returns:
     The scalar loss, in at least float32.

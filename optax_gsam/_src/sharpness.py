@@ -31,8 +31,11 @@ class GSAMState(NamedTuple):
   Attributes:
     count: number of updates with a finite output so far; rho schedules are
       evaluated at it. Starts at 0 and is never reset, so it stays aligned with
-      the step counts of the optimizers chained after the transform (behind
-      ``optax.apply_if_finite``, which skips the non-finite ones).
+      the step counts of the optimizers chained after the transform when they
+      sit behind ``optax.apply_if_finite``, which skips the same non-finite
+      steps. A chain that repairs non-finite updates instead (e.g.
+      ``optax.zero_nans()``) advances its optimizers on such a step while this
+      count stays, which delays rho by one step per such step.
     rho: the radius used by the last update.
     perturbed_loss: :math:`f_p = f(w + \\epsilon)`.
     surrogate_gap: :math:`h = f_p - f`, when the clean loss was passed as
@@ -210,7 +213,9 @@ def gsam(
 
   * ``sync_perturbation=False`` (the paper's setting): each device perturbs
     with its own :math:`g_c` and decomposes its own gradients; the resulting
-    :math:`g` is averaged. One gradient-sized all-reduce, as in a base step.
+    :math:`g` is averaged. One gradient-sized all-reduce, as in a base step
+    (two on the full steps of ``perturb_every > 1``, which also average the
+    stored direction).
   * ``sync_perturbation=True``: :math:`g_c` is averaged before perturbing and
     :math:`g_p` before the decomposition, which equals single-device GSAM on
     the global batch. Two gradient-sized all-reduces.
@@ -240,6 +245,13 @@ def gsam(
   :func:`optax_gsam.emulate_devices`); vmapping over optimizer states turns it
   into a select that runs both branches. The diagnostics keep the values of the
   last full step.
+
+  Under ``optax.inject_hyperparams(optax_gsam.gsam)``, rho, alpha, eps and
+  reuse_weight become injectable; static options (``perturb_every``,
+  ``num_groups``) go in ``static_args``. Injected values take the params' dtype
+  unless ``hyperparam_dtype`` is given, so with bfloat16 params pass
+  ``hyperparam_dtype=jnp.float32``; a scheduled rho is then read at
+  ``inject_hyperparams``' own count.
 
   Args:
     rho: the perturbation radius, a float >= 0 or any ``optax.Schedule`` (e.g.
@@ -523,6 +535,9 @@ def sam(
   adaptive: pert.Adaptive = None,
   sync_perturbation: bool = False,
   axis_name: Hashable | tuple[Hashable, ...] | None = None,
+  num_groups: int | None = None,
+  perturb_every: int | None = None,
+  reuse_weight: optax.ScalarOrSchedule = 0.7,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Sharpness-Aware Minimization (SAM): :func:`gsam` with ``alpha=0``.
 
@@ -556,4 +571,7 @@ def sam(
     minimize_fp=True,
     sync_perturbation=sync_perturbation,
     axis_name=axis_name,
+    num_groups=num_groups,
+    perturb_every=perturb_every,
+    reuse_weight=reuse_weight,
   )
