@@ -46,3 +46,13 @@ def machine() -> dict[str, str]:
     "backend": jax.default_backend(),
     "device": jax.devices()[0].device_kind,
   }
+
+
+def render_table(cells: list[tuple[str, ...]]) -> str:
+  """Left-aligned columns with a dashed rule under the first (header) row."""
+  widths = [max(len(row[i]) for row in cells) for i in range(len(cells[0]))]
+  lines = [
+    "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in cells
+  ]
+  lines.insert(1, "  ".join("-" * w for w in widths))
+  return "\n".join(lines)

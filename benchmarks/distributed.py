@@ -41,6 +41,7 @@ import optax
 import optax_gsam
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from _common import render_table
 from step_cost import ViT
 
 AXIS = "data"
@@ -229,10 +230,7 @@ def format_table(rows: list[dict]) -> str:
         f"{r['ratio_to_base']:.2f}x",
       )
     )
-  widths = [max(len(c[i]) for c in cells) for i in range(len(header))]
-  lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in cells]
-  lines.insert(1, "  ".join("-" * w for w in widths))
-  return "\n".join(lines)
+  return render_table(cells)
 
 
 def main(argv: list[str] | None = None) -> dict:

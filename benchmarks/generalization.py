@@ -73,6 +73,7 @@ from optax_gsam import demo
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import code_version
 from _common import machine
+from _common import render_table
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 NOISE_LEVELS = (0.0, 0.2, 0.4)
@@ -335,12 +336,7 @@ def format_table(rows: list[dict], accuracy_label: str = "test acc %") -> str:
         pm("gap", digits=4),
       )
     )
-  widths = [max(len(c[i]) for c in cells) for i in range(len(header))]
-  lines = [
-    "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in cells
-  ]
-  lines.insert(1, "  ".join("-" * w for w in widths))
-  return "\n".join(lines)
+  return render_table(cells)
 
 
 def plot(rows: list[dict], path: Path) -> None:
