@@ -4,9 +4,11 @@ GSAM and SAM need the loss at the perturbed weights, so their ``update`` takes
 ``loss_fn=`` (or ``value_and_grad_fn=``) and, for the surrogate-gap diagnostic,
 ``value=``. Flax Linen's ``TrainState.apply_gradients`` calls ``tx.update``
 without extra arguments; :class:`TrainState` is a drop-in subclass that
-forwards them. NNX needs no helper: ``nnx.Optimizer.update(model, grads,
-**kwargs)`` already forwards keyword arguments (see ``docs/flax.md`` for a
-complete NNX train step).
+forwards them. NNX's ``nnx.Optimizer.update(model, grads, **kwargs)`` already
+forwards keyword arguments, but the transform calls ``loss_fn`` with the pure
+parameter state, not a model; :func:`nnx_loss_fn` turns an NNX loss
+``loss_fn(model, *args)`` into that function (see ``docs/flax.md`` for
+complete train steps).
 
 Three rules make the perturbed pass consistent with the clean one; the guide
 ``docs/flax.md`` shows each in code:
@@ -24,13 +26,21 @@ Three rules make the perturbed pass consistent with the clean one; the guide
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
+from collections.abc import Callable
 from typing import Any
 
+import jax
 import optax
+from flax import nnx
 from flax.training import train_state
 
-__all__ = ("TrainState",)
+__all__ = ("TrainState", "nnx_loss_fn")
+
+# How close (difflib ratio) a keyword must be to a field name to be taken for a misspelling of
+# it: `batch_stat`/`batch_stats` is 0.95, `loss_fn`/`apply_fn` (forwarded, right) is 0.53.
+_FIELD_TYPO_CUTOFF = 0.8
 
 
 class TrainState(train_state.TrainState):
@@ -104,8 +114,25 @@ class TrainState(train_state.TrainState):
     Returns:
       The new state, with ``step`` incremented and ``params``/``opt_state``
       updated.
+
+    Raises:
+      TypeError: when a keyword is not a field but is close to one
+        (``batch_stat`` for ``batch_stats``): it would go to ``tx.update``,
+        which ignores unknown keywords, and the field would silently keep its
+        old value.
     """
     field_names = {field.name for field in dataclasses.fields(self)}
+    for name in kwargs:
+      if name in field_names:
+        continue
+      close = difflib.get_close_matches(name, field_names, n=1, cutoff=_FIELD_TYPO_CUTOFF)
+      if close:
+        raise TypeError(
+          f"{type(self).__name__}.apply_gradients() got {name}=, which is not a field of the "
+          f"state; did you mean {close[0]}=? Keywords that name a field replace it; the others "
+          f"are forwarded to tx.update, which would ignore {name} and leave {close[0]} as it "
+          f"was. Fields: {', '.join(sorted(field_names))}."
+        )
     fields = {name: value for name, value in kwargs.items() if name in field_names}
     extra_args = {name: value for name, value in kwargs.items() if name not in field_names}
     if not extra_args:
@@ -118,3 +145,109 @@ class TrainState(train_state.TrainState):
     bound = optax.GradientTransformation(tx.init, functools.partial(tx.update, **extra_args))
     new_state = super(TrainState, self.replace(tx=bound)).apply_gradients(grads=grads, **fields)
     return new_state.replace(tx=self.tx)
+
+
+def _is_nnx_node(value: Any) -> bool:
+  return isinstance(value, (nnx.Pytree, nnx.Variable))
+
+
+def nnx_loss_fn(
+  loss_fn: Callable[..., Any],
+  model: nnx.Module,
+  /,
+  *args: Any,
+  wrt: Any = nnx.Param,
+  **kwargs: Any,
+) -> Callable[[Any], Any]:
+  """An NNX loss ``loss_fn(model, *args, **kwargs)`` as the ``loss_fn`` GSAM calls.
+
+  The transform calls ``loss_fn`` with the pure parameter state (what
+  ``nnx.Optimizer.update`` passes it as ``params``), not with a model, and it
+  calls it inside its own ``jax.value_and_grad``, a different trace level from
+  the train step's. This helper snapshots everything the perturbed pass needs
+  as graph definitions and pure arrays: ``model`` minus its ``wrt`` variables
+  (batch statistics, RNG keys and counters) and every NNX object among
+  ``args``/``kwargs`` (an ``nnx.Rngs`` passed to the model call, as in Flax's
+  MNIST tutorial). The returned function rebuilds fresh copies from the
+  snapshot with ``nnx.merge`` and the parameters it is given, then calls
+  ``loss_fn``. So:
+
+  * call it *before* the clean pass: the perturbed pass then starts from the
+    RNG state the clean pass started from and draws the same dropout masks;
+  * the perturbed pass mutates only the copies: the RNG counters advance once
+    per step (by the clean pass) and batch statistics come from the clean pass
+    only, exactly as in a step without GSAM;
+  * it works under ``nnx.jit`` and with RNG state inside the model or passed
+    as an argument. Mutating the original objects from the transform's trace
+    (``nnx.clone(rngs)``, ``rngs.fork()`` or a bare ``nnx.split(rngs)``)
+    fails with Flax's ``TraceContextError``.
+
+  Other arguments (arrays, batches, Python values) are passed through as
+  they are. Whatever ``loss_fn`` returns is returned: a scalar, or a
+  ``(loss, aux)`` pair whose aux the transform drops.
+
+  Args:
+    loss_fn: ``loss_fn(model, *args, **kwargs)``, the loss of the train step
+      (the function given to ``nnx.value_and_grad``).
+    model: the ``nnx.Module`` whose parameters the optimizer updates.
+    *args: the other positional arguments of ``loss_fn``, as in the clean pass.
+    wrt: the filter of the parameters, the ``wrt`` of the ``nnx.Optimizer``
+      (default ``nnx.Param``).
+    **kwargs: the keyword arguments of ``loss_fn``.
+
+  Returns:
+    ``f(params) -> loss_fn(model_with_params, *args, **kwargs)``, to pass as
+    ``optimizer.update(model, grads, loss_fn=f, value=loss)``.
+
+  Raises:
+    TypeError: when ``loss_fn`` is not callable or ``model`` is not an NNX
+      object (a params pytree, say).
+
+  Example:
+    >>> import jax.numpy as jnp, optax, optax_gsam
+    >>> from flax import nnx
+    >>> from optax_gsam.flax import nnx_loss_fn
+    >>> model = nnx.Linear(3, 1, rngs=nnx.Rngs(0))
+    >>> tx = optax.chain(optax_gsam.gsam(rho=0.05, alpha=0.3), optax.sgd(0.1))
+    >>> optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    >>> def loss_fn(model, x, y):
+    ...   return jnp.mean((model(x) - y) ** 2)
+    >>> @nnx.jit
+    ... def train_step(model, optimizer, x, y):
+    ...   perturbed_loss = nnx_loss_fn(loss_fn, model, x, y)  # before the clean pass
+    ...   loss, grads = nnx.value_and_grad(loss_fn)(model, x, y)
+    ...   optimizer.update(model, grads, loss_fn=perturbed_loss, value=loss)
+    ...   return loss
+    >>> loss = train_step(model, optimizer, jnp.ones((4, 3)), jnp.zeros((4, 1)))
+    >>> int(optimizer.step[...])
+    1
+  """
+  if not callable(loss_fn):
+    raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}.")
+  if not isinstance(model, nnx.Pytree):
+    raise TypeError(
+      "model must be an NNX object (the nnx.Module the optimizer updates), got "
+      f"{type(model).__name__}. Linen and plain-JAX steps pass their own params -> loss "
+      "function as loss_fn."
+    )
+  leaves, treedef = jax.tree.flatten((args, kwargs), is_leaf=_is_nnx_node)
+  node_at = [i for i, leaf in enumerate(leaves) if _is_nnx_node(leaf)]
+  # Split the model and the NNX arguments together, so state they share stays shared.
+  in_wrt = nnx.filterlib.to_predicate(wrt)
+
+  def is_param(path, value):
+    return path[0] == 0 and in_wrt(path[1:], value)
+
+  graphdef, _, rest = nnx.split((model, [leaves[i] for i in node_at]), is_param, ...)
+  # Pure arrays: nnx.merge makes new Variables at the trace level of the call.
+  rest = nnx.as_pure(rest)
+
+  def perturbed_loss_fn(params):
+    copy, nodes = nnx.merge(graphdef, nnx.State({0: params}), rest)
+    call_leaves = list(leaves)
+    for i, node in zip(node_at, nodes, strict=True):
+      call_leaves[i] = node
+    call_args, call_kwargs = jax.tree.unflatten(treedef, call_leaves)
+    return loss_fn(copy, *call_args, **call_kwargs)
+
+  return perturbed_loss_fn

@@ -1,4 +1,4 @@
-"""optax_gsam.flax.TrainState and the NNX recipe of docs/flax.md.
+"""optax_gsam.flax.TrainState, optax_gsam.flax.nnx_loss_fn and the steps of docs/flax.md.
 
 Consistency of the two passes is tested through rho = 0: the perturbed weights
 then equal the clean ones, so the GSAM update equals the base optimizer's
@@ -7,6 +7,7 @@ dropout mask and the same inputs. A negative control with a fresh key shows the
 test can fail.
 """
 
+import functools
 from typing import Any
 
 import flax.linen as nn
@@ -20,6 +21,7 @@ from flax.training import train_state as flax_train_state
 
 import optax_gsam
 from optax_gsam.flax import TrainState
+from optax_gsam.flax import nnx_loss_fn
 
 LR = 0.1
 # Shared so that the jitted steps compile once per optimizer.
@@ -223,29 +225,19 @@ def cross_entropy(model, x, y):
 
 @nnx.jit
 def nnx_gsam_step(model, optimizer, x, y):
-  """The docs' NNX step."""
-  graphdef, _, rest = nnx.split(model, nnx.Param, ...)
-  rest = nnx.as_pure(rest)
-
-  def loss_fn(params):
-    return cross_entropy(nnx.merge(graphdef, params, rest), x, y)
-
+  """The docs' NNX step, RNG state inside the model."""
+  perturbed_loss = nnx_loss_fn(cross_entropy, model, x, y)  # before the clean pass
   loss, grads = nnx.value_and_grad(cross_entropy)(model, x, y)
-  optimizer.update(model, grads, loss_fn=loss_fn, value=loss)
+  optimizer.update(model, grads, loss_fn=perturbed_loss, value=loss)
   return loss
 
 
 @nnx.jit
 def nnx_gsam_step_split_late(model, optimizer, x, y):
-  """A wrong step: splitting after the clean pass gives the next dropout mask and new stats."""
+  """A wrong step: snapshotting after the clean pass gives the next dropout mask and new stats."""
   loss, grads = nnx.value_and_grad(cross_entropy)(model, x, y)
-  graphdef, _, rest = nnx.split(model, nnx.Param, ...)
-  rest = nnx.as_pure(rest)
-
-  def loss_fn(params):
-    return cross_entropy(nnx.merge(graphdef, params, rest), x, y)
-
-  optimizer.update(model, grads, loss_fn=loss_fn, value=loss)
+  perturbed_loss = nnx_loss_fn(cross_entropy, model, x, y)
+  optimizer.update(model, grads, loss_fn=perturbed_loss, value=loss)
   return loss
 
 
@@ -296,3 +288,195 @@ def test_nnx_batch_stats_and_rng_advance_once_with_perturbation():
   assert int(model.dropout.rngs.count[...]) == int(reference.dropout.rngs.count[...]) == 1
   assert max_tree_diff(before, nnx.as_pure(nnx.state(model, nnx.Param))) > 1e-4
   assert float(optax.tree.get(optimizer.opt_state, "surrogate_gap")) != 0.0
+
+
+# --- NNX with `rngs` passed to the model call (Flax's NNX MNIST tutorial) ----------------------
+
+
+class MnistCNN(nnx.Module):
+  """The CNN of Flax's NNX MNIST tutorial, shrunk to 8x8 images: dropout gets `rngs` in the call."""
+
+  def __init__(self, *, rngs: nnx.Rngs):
+    self.conv1 = nnx.Conv(1, 4, kernel_size=(3, 3), rngs=rngs)
+    self.batch_norm1 = nnx.BatchNorm(4, rngs=rngs)
+    self.dropout1 = nnx.Dropout(rate=0.5)
+    self.conv2 = nnx.Conv(4, 8, kernel_size=(3, 3), rngs=rngs)
+    self.batch_norm2 = nnx.BatchNorm(8, rngs=rngs)
+    self.avg_pool = functools.partial(nnx.avg_pool, window_shape=(2, 2), strides=(2, 2))
+    self.linear1 = nnx.Linear(32, 16, rngs=rngs)
+    self.dropout2 = nnx.Dropout(rate=0.5)
+    self.linear2 = nnx.Linear(16, 10, rngs=rngs)
+
+  def __call__(self, x, rngs: nnx.Rngs | None = None):
+    x = self.avg_pool(nnx.relu(self.batch_norm1(self.dropout1(self.conv1(x), rngs=rngs))))
+    x = self.avg_pool(nnx.relu(self.batch_norm2(self.conv2(x))))
+    x = x.reshape(x.shape[0], -1)
+    x = nnx.relu(self.dropout2(self.linear1(x), rngs=rngs))
+    return self.linear2(x)
+
+
+def mnist_loss_fn(model, rngs, batch):
+  logits = model(batch["image"], rngs)
+  loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
+  return loss, logits
+
+
+def mnist_metrics():
+  return nnx.MultiMetric(accuracy=nnx.metrics.Accuracy(), loss=nnx.metrics.Average("loss"))
+
+
+@nnx.jit
+def mnist_plain_step(model, optimizer, metrics, rngs, batch):
+  """The tutorial's train_step, unchanged."""
+  grad_fn = nnx.value_and_grad(mnist_loss_fn, has_aux=True)
+  (loss, logits), grads = grad_fn(model, rngs, batch)
+  metrics.update(loss=loss, logits=logits, labels=batch["label"])
+  optimizer.update(model, grads)
+
+
+@nnx.jit
+def mnist_gsam_step(model, optimizer, metrics, rngs, batch):
+  """The tutorial's train_step converted with docs/flax.md: one added line, one changed."""
+  perturbed_loss = nnx_loss_fn(mnist_loss_fn, model, rngs, batch)  # before the clean pass
+  grad_fn = nnx.value_and_grad(mnist_loss_fn, has_aux=True)
+  (loss, logits), grads = grad_fn(model, rngs, batch)
+  metrics.update(loss=loss, logits=logits, labels=batch["label"])
+  optimizer.update(model, grads, loss_fn=perturbed_loss, value=loss)
+
+
+@nnx.jit
+def mnist_gsam_step_snapshot_late(model, optimizer, metrics, rngs, batch):
+  """A wrong step: the snapshot after the clean pass holds the advanced RNG counter."""
+  grad_fn = nnx.value_and_grad(mnist_loss_fn, has_aux=True)
+  (loss, logits), grads = grad_fn(model, rngs, batch)
+  metrics.update(loss=loss, logits=logits, labels=batch["label"])
+  perturbed_loss = nnx_loss_fn(mnist_loss_fn, model, rngs, batch)
+  optimizer.update(model, grads, loss_fn=perturbed_loss, value=loss)
+
+
+def mnist_batch(n=16):
+  return {
+    "image": jax.random.uniform(jax.random.key(20), (n, 8, 8, 1)),
+    "label": jax.random.randint(jax.random.key(21), (n,), 0, 10),
+  }
+
+
+def mnist_setup(tx):
+  model = MnistCNN(rngs=nnx.Rngs(0))
+  model.train()
+  return model, nnx.Optimizer(model, tx, wrt=nnx.Param), mnist_metrics(), nnx.Rngs(7)
+
+
+def test_nnx_rngs_argument_step_equals_plain_step_at_rho_zero():
+  """rho = 0: the GSAM step is the plain step iff the perturbed pass redraws the clean masks."""
+  batch = mnist_batch()
+  gsam = mnist_setup(TX_RHO0)
+  plain = mnist_setup(TX_PLAIN)
+  for _ in range(2):
+    mnist_gsam_step(*gsam, batch)
+    mnist_plain_step(*plain, batch)
+    (g_model, _, g_metrics, g_rngs), (p_model, _, p_metrics, p_rngs) = gsam, plain
+    for kind in (nnx.Param, nnx.BatchStat):
+      assert_trees_close(nnx.state(g_model, kind), nnx.state(p_model, kind), rtol=1e-5, atol=1e-6)
+    # The RNG advanced exactly as in the plain step: once per draw of the clean pass.
+    assert int(g_rngs.default.count[...]) == int(p_rngs.default.count[...])
+    assert float(g_metrics.compute()["loss"]) == pytest.approx(
+      float(p_metrics.compute()["loss"]), rel=1e-6
+    )
+  assert int(p_rngs.default.count[...]) == 4  # two dropout layers, two steps
+  # Negative control: a snapshot after the clean pass draws other masks, so the update differs.
+  late = mnist_setup(TX_RHO0)
+  right = mnist_setup(TX_RHO0)
+  mnist_gsam_step_snapshot_late(*late, batch)
+  mnist_gsam_step(*right, batch)
+  assert max_tree_diff(nnx.state(late[0], nnx.Param), nnx.state(right[0], nnx.Param)) > 1e-4
+
+
+def test_nnx_loss_fn_redraws_the_clean_masks_and_leaves_state_alone():
+  batch = mnist_batch()
+
+  @nnx.jit
+  def clean_and_replayed(model, rngs):
+    perturbed_loss = nnx_loss_fn(mnist_loss_fn, model, rngs, batch)
+    (_, logits), _ = nnx.value_and_grad(mnist_loss_fn, has_aux=True)(model, rngs, batch)
+    params = nnx.as_pure(nnx.state(model, nnx.Param))
+    # The function the transform gets, called by hand at the clean weights: same masks, same
+    # logits. Its dropout draws and batch statistics stay in throw-away copies.
+    _, replayed_logits = perturbed_loss(params)
+    _, next_logits = nnx_loss_fn(mnist_loss_fn, model, rngs, batch)(params)
+    return logits, replayed_logits, next_logits
+
+  model, _, _, rngs = mnist_setup(TX_PLAIN)
+  reference, _, _, reference_rngs = mnist_setup(TX_PLAIN)
+  logits, replayed, next_logits = clean_and_replayed(model, rngs)
+  np.testing.assert_allclose(replayed, logits, rtol=1e-6, atol=1e-6)
+  assert float(jnp.max(jnp.abs(next_logits - logits))) > 1e-3  # the next draw differs
+  # One clean pass on a copy of the initial model: the same statistics and RNG counter.
+  mnist_loss_fn(reference, reference_rngs, batch)
+  assert int(rngs.default.count[...]) == int(reference_rngs.default.count[...]) == 2
+  assert_trees_close(
+    nnx.state(model, nnx.BatchStat), nnx.state(reference, nnx.BatchStat), rtol=1e-6, atol=1e-7
+  )
+
+
+def test_nnx_rngs_argument_gsam_trains():
+  batch = mnist_batch()
+  model, optimizer, metrics, rngs = mnist_setup(TX_GSAM)
+  before = nnx.as_pure(nnx.state(model, nnx.Param))
+  for _ in range(2):
+    mnist_gsam_step(model, optimizer, metrics, rngs, batch)
+  assert int(rngs.default.count[...]) == 4
+  assert max_tree_diff(before, nnx.as_pure(nnx.state(model, nnx.Param))) > 1e-3
+  assert float(optax.tree.get(optimizer.opt_state, "surrogate_gap")) != 0.0
+
+
+def test_nnx_loss_fn_shares_state_between_model_and_arguments():
+  """An argument that is also inside the model is rebuilt once, so both see one RNG stream."""
+  model = NNXNet(nnx.Rngs(0, dropout=1))
+  stream = model.dropout.rngs
+  x, y = data()
+  captured = {}
+
+  def spy(m, rngs_stream, x, y):
+    captured["same"] = m.dropout.rngs is rngs_stream
+    return cross_entropy(m, x, y)
+
+  params = nnx.as_pure(nnx.state(model, nnx.Param))
+  nnx_loss_fn(spy, model, stream, x, y)(params)
+  assert captured["same"]
+
+
+@pytest.mark.parametrize("bad_model", [{"w": jnp.ones(2)}, jnp.ones(2)])
+def test_nnx_loss_fn_rejects_a_params_tree(bad_model):
+  with pytest.raises(TypeError, match="NNX object"):
+    nnx_loss_fn(cross_entropy, bad_model)
+  with pytest.raises(TypeError, match="callable"):
+    nnx_loss_fn("loss", NNXNet(nnx.Rngs(0)))
+
+
+# --- A misspelled field --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+  "typo,field", [("batch_stat", "batch_stats"), ("param", "params"), ("opt_stat", "opt_state")]
+)
+def test_apply_gradients_rejects_a_misspelled_field(typo, field):
+  state = make_state(TX_GSAM)
+  grads = jax.tree.map(jnp.ones_like, state.params)
+  with pytest.raises(TypeError, match=rf"{typo}=.*did you mean {field}="):
+    state.apply_gradients(grads=grads, loss_fn=lambda p: 0.0, **{typo: state.batch_stats})
+
+
+def test_apply_gradients_forwards_names_far_from_every_field():
+  # loss_fn is close-ish to apply_fn (0.53) and must still reach tx.update.
+  seen = {}
+
+  def update_fn(updates, state, params=None, **extra_args):
+    seen.update(extra_args)
+    return updates, state
+
+  recorder = optax.GradientTransformationExtraArgs(lambda p: optax.EmptyState(), update_fn)
+  state = make_state(optax.chain(recorder, optax.sgd(LR)))
+  grads = jax.tree.map(jnp.ones_like, state.params)
+  state.apply_gradients(grads=grads, loss_fn=None, value_and_grad_fn=None, value=1.0, perturb=True)
+  assert set(seen) == {"loss_fn", "value_and_grad_fn", "value", "perturb"}
