@@ -43,3 +43,21 @@ __all__ = (
   "schedule_extrema",
   "siglip_loss",
 )
+
+
+# The integration modules load on first use, so that `import optax_gsam` alone makes
+# `optax_gsam.flax` and `optax_gsam.big_vision` usable without the core import paying for
+# flax.training and flax.nnx.
+_SUBMODULES = ("big_vision", "flax")
+
+
+def __getattr__(name: str):
+  if name in _SUBMODULES:
+    import importlib
+
+    return importlib.import_module(f"optax_gsam.{name}")
+  raise AttributeError(f"module 'optax_gsam' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+  return sorted({*globals(), *_SUBMODULES})

@@ -2,7 +2,10 @@
 
 import importlib.util
 import itertools
+import os
 import pathlib
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -485,3 +488,36 @@ def test_gsam_from_config_matches_hand_built_transform():
     u_b, s_b = ours.update(grads, s_b, p, loss_fn=loss_fn)
     jax.tree.map(np.testing.assert_array_equal, u_a, u_b)
   assert float(s_b.rho) > 0.1
+
+
+# --- The package import ------------------------------------------------------------------------
+
+FRESH_PROCESS = """
+import sys
+import jax.numpy as jnp
+import optax
+import optax_gsam
+
+assert "optax_gsam.big_vision" not in sys.modules and "optax_gsam.flax" not in sys.modules
+config = dict(lr=0.1, schedule=dict(warmup_steps=2, decay_type="cosine"),
+              gsam=dict(rho_max=0.1, rho_min=0.02, alpha=0.3))
+tx = optax.chain(optax_gsam.big_vision.gsam_from_config(config, 10), optax.sgd(0.1))
+state = optax_gsam.flax.TrainState.create(apply_fn=None, params={"w": jnp.ones(3)}, tx=tx)
+loss_fn = lambda p: jnp.sum(p["w"] ** 2)
+grads = {"w": 2 * state.params["w"]}
+state = state.apply_gradients(grads=grads, loss_fn=loss_fn, value=loss_fn(state.params))
+assert int(state.step) == 1 and callable(optax_gsam.flax.nnx_loss_fn)
+assert {"flax", "big_vision"} <= set(dir(optax_gsam))
+print("ok")
+"""
+
+
+def test_import_optax_gsam_alone_exposes_big_vision_and_flax():
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  result = subprocess.run(
+    [sys.executable, "-c", FRESH_PROCESS], capture_output=True, text=True, timeout=120, env=env
+  )
+  assert result.returncode == 0, result.stderr
+  assert result.stdout.strip() == "ok"
+  with pytest.raises(AttributeError, match="no attribute 'flaxx'"):
+    optax_gsam.flaxx  # noqa: B018
