@@ -25,6 +25,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from optax_gsam._src import perturbation as pert
@@ -96,9 +97,29 @@ def _check_total_steps(total_steps) -> None:
     raise ValueError(f"total_steps must be a positive int, got {total_steps!r}.")
 
 
-def _check_bool(name: str, value) -> None:
-  if not isinstance(value, bool):
-    raise ValueError(f"{name} must be a bool, got {value!r}.")
+def _as_flag(name: str, value) -> bool:
+  """A Python bool from a flag as big_vision passes it: bool, np.bool_, or the ints 0/1.
+
+  big_vision reads its flags with ``if flag:``, so NumPy bools and 0/1 (from a
+  config or a command line) behave as the bools they stand for; they do here too.
+  Anything else (``None``, strings such as ``"False"``, which is truthy, floats,
+  other ints, arrays with more than one value, traced values) is a mistake, and
+  raises instead of being read as its truth value.
+  """
+  if isinstance(value, (bool, np.bool_)):
+    return bool(value)
+  dtype = getattr(value, "dtype", None)
+  integral = isinstance(value, numbers.Integral) or (
+    dtype is not None
+    and np.ndim(value) == 0
+    and (np.issubdtype(dtype, np.bool_) or np.issubdtype(dtype, np.integer))
+  )
+  if integral and not isinstance(value, jax.core.Tracer) and int(value) in (0, 1):
+    return bool(value)
+  raise ValueError(
+    f"{name} must be a bool (True or False; np.bool_ and the ints 0 and 1 are accepted), "
+    f"got {value!r}."
+  )
 
 
 def num_train_steps(config, num_examples: int) -> int:
@@ -431,10 +452,10 @@ def gsam_from_config(
     <https://openreview.net/forum?id=edONMAnhLu->`_, ICLR 2022.
   """
   gsam_cfg = _gsam_config(config)
-  adaptive_perturbation = gsam_cfg.get("adaptive_perturbation", False)
-  minimize_fp = gsam_cfg.get("minimize_fp", True)
-  _check_bool("config.gsam.adaptive_perturbation", adaptive_perturbation)
-  _check_bool("config.gsam.minimize_fp", minimize_fp)
+  adaptive_perturbation = _as_flag(
+    "config.gsam.adaptive_perturbation", gsam_cfg.get("adaptive_perturbation", False)
+  )
+  minimize_fp = _as_flag("config.gsam.minimize_fp", gsam_cfg.get("minimize_fp", True))
   return gsam(
     rho_schedule(config, total_steps, clamp=clamp),
     gsam_cfg["alpha"],
@@ -497,7 +518,8 @@ def gsam_gradient(
   :func:`optax_gsam.decompose`), so a zero gradient gives a finite result
   instead of NaN. As in big_vision, nothing is averaged across devices: call
   ``jax.lax.pmean`` on the result. Prefer :func:`gsam_from_config`, which reads
-  rho at the optimizer's own step.
+  rho at the optimizer's own step. ``docs/big_vision_migration.md`` lists every
+  intentional difference from big_vision's function in one place.
 
   Args:
     loss_fn: ``loss_fn(params, inputs, targets) -> scalar loss``.
@@ -512,8 +534,12 @@ def gsam_gradient(
     lr_max: the peak absolute learning rate.
     lr_min: the final absolute learning rate.
     eps: :math:`\varepsilon` > 0.
-    adaptive_perturbation: use the :math:`|w|`-scaled perturbation.
-    minimize_fp: the decomposition branch (see above).
+    adaptive_perturbation: use the :math:`|w|`-scaled perturbation. A bool;
+      ``np.bool_`` and the ints 0/1 are read as the bools they stand for, as
+      big_vision's ``if adaptive_perturbation:`` reads them. Other values
+      (``None``, ``"False"``, 2, 1.0) raise a ``ValueError``.
+    minimize_fp: the decomposition branch (see above); a bool, read as
+      ``adaptive_perturbation``.
 
   Returns:
     ``(clean_loss, gsam_grads)``: the loss at ``params`` and :math:`g`.
@@ -547,8 +573,8 @@ def gsam_gradient(
     raise ValueError(f"rho_min ({rho_min}) must be <= rho_max ({rho_max}).")
   if _is_number(lr_min) and _is_number(lr_max) and lr_min > lr_max:
     raise ValueError(f"lr_min ({lr_min}) must be <= lr_max ({lr_max}).")
-  _check_bool("adaptive_perturbation", adaptive_perturbation)
-  _check_bool("minimize_fp", minimize_fp)
+  adaptive_perturbation = _as_flag("adaptive_perturbation", adaptive_perturbation)
+  minimize_fp = _as_flag("minimize_fp", minimize_fp)
   clean_loss, clean_grads = jax.value_and_grad(loss_fn)(params, inputs, targets)
   rho = _legacy_rho(lr, rho_max, rho_min, lr_max, lr_min)
   epsilon = pert.perturbation(

@@ -448,14 +448,73 @@ def test_gsam_from_config_rejects(name):
   "kwargs,match",
   [
     (dict(eps=0.0), "eps"),
-    (dict(minimize_fp=1), "minimize_fp"),
+    (dict(minimize_fp=2), "minimize_fp"),
+    (dict(minimize_fp="False"), "minimize_fp"),  # truthy: big_vision would read True
+    (dict(minimize_fp=1.0), "minimize_fp"),
     (dict(adaptive_perturbation=None), "adaptive_perturbation"),
+    (dict(adaptive_perturbation=np.array([True, False])), "adaptive_perturbation"),
   ],
 )
 def test_gsam_gradient_rejects(kwargs, match):
   args = dict(rho_max=0.6, rho_min=0.1, alpha=0.6, lr=1e-3, lr_max=3e-3, lr_min=3e-5)
   with pytest.raises(ValueError, match=match):
     big_vision.gsam_gradient(lambda w, x, y: jnp.sum(w), jnp.ones(2), None, None, **args, **kwargs)
+
+
+FLAG_SPELLINGS = {
+  "numpy": (np.False_, np.True_),
+  "int": (0, 1),
+  "numpy_int": (np.int32(0), np.int64(1)),
+  "jax_array": (jnp.asarray(False), jnp.asarray(1)),
+}
+
+
+def test_gsam_gradient_flags_as_big_vision_reads_them():
+  """np.bool_ and 0/1 give what the Python bools give (big_vision reads flags with `if`)."""
+  params, x, t, loss_jax, _ = make_problem(seed=4, n=4, d=3, k=2)
+  params, x, t = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), (params, x, t))
+  args = dict(rho_max=0.6, rho_min=0.1, alpha=0.6, lr=1e-3, lr_max=3e-3, lr_min=3e-5)
+  # Both flags at both values; the two cases give different gradients.
+  cases = [(False, True), (True, False)]
+  expected = [
+    big_vision.gsam_gradient(loss_jax, params, x, t, **args, adaptive_perturbation=a, minimize_fp=m)
+    for a, m in cases
+  ]
+  assert float(jnp.max(jnp.abs(expected[0][1]["w"] - expected[1][1]["w"]))) > 1e-6
+  loss_fn = lambda q: loss_jax(q, x, t)
+  grads = jax.grad(loss_fn)(params)
+
+  def config_update(adaptive, minimize_fp):
+    config = paper_like(gsam__adaptive_perturbation=adaptive, gsam__minimize_fp=minimize_fp)
+    tx = big_vision.gsam_from_config(config, 100)
+    return tx.update(grads, tx.init(params), params, loss_fn=loss_fn)[0]
+
+  for spelling, (false, true) in FLAG_SPELLINGS.items():
+    for (adaptive, minimize_fp), want in zip(cases, expected, strict=True):
+      got = big_vision.gsam_gradient(
+        loss_jax, params, x, t, **args,
+        adaptive_perturbation=true if adaptive else false,
+        minimize_fp=true if minimize_fp else false,
+      )  # fmt: skip
+      check = lambda a, b, spelling=spelling: np.testing.assert_array_equal(a, b, err_msg=spelling)
+      jax.tree.map(check, got, want)
+  # gsam_from_config reads config.gsam's flags the same way.
+  jax.tree.map(
+    np.testing.assert_array_equal, config_update(np.True_, 0), config_update(True, False)
+  )
+
+
+def test_gsam_gradient_rejects_a_traced_flag():
+  args = dict(rho_max=0.6, rho_min=0.1, alpha=0.6, lr=1e-3, lr_max=3e-3, lr_min=3e-5)
+
+  @jax.jit
+  def traced(flag):
+    return big_vision.gsam_gradient(
+      lambda w, x, y: jnp.sum(w**2), jnp.ones(2), None, None, **args, minimize_fp=flag
+    )
+
+  with pytest.raises(ValueError, match="minimize_fp"):
+    traced(True)
 
 
 @pytest.mark.parametrize("total_steps", [0, -5, 2.5, True])
