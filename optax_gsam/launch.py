@@ -1,0 +1,342 @@
+"""Runs one script as N local JAX processes that form a multi-process runtime, as on a pod.
+
+JAX's multi-process runtime (``jax.distributed``) is the one a TPU pod or a GPU
+cluster uses, and it runs on one CPU machine too: N processes on 127.0.0.1,
+each with its own CPU devices, exchange data through gloo collectives. This
+launcher starts them::
+
+    python -m optax_gsam.launch --local-processes 2 --devices-per-process 4 -- \\
+      benchmarks/pod_launch.py --multihost --global-batch 16 --steps 3
+
+A command whose first word ends in ``.py`` runs with this Python interpreter.
+Process ``i`` gets the environment of the launcher plus:
+
+* ``JAX_PLATFORMS=cpu``, ``JAX_NUM_CPU_DEVICES=D`` and
+  ``JAX_CPU_COLLECTIVES_IMPLEMENTATION=gloo``, which JAX reads as its config
+  (an ``--xla_force_host_platform_device_count`` in ``XLA_FLAGS`` is dropped,
+  so an inherited device count cannot override ``D``);
+* ``JAX_COORDINATOR_ADDRESS=127.0.0.1:PORT`` on a free port, which
+  ``jax.distributed.initialize`` reads itself;
+* ``JAX_NUM_PROCESSES=N`` and ``JAX_PROCESS_ID=i``, which :func:`initialize`
+  reads (``jax.distributed.initialize`` has no variables for them).
+
+So a script that calls :func:`initialize` runs unchanged under this launcher,
+under SLURM or Open MPI, and on Cloud TPU, where JAX detects the cluster.
+
+Each line a process prints is streamed with a ``[proc i]`` prefix. The
+launcher exits with the first non-zero exit status (128 + N for signal N) and
+ends every other process with its descendants (each runs in its own session,
+and gets SIGTERM, then SIGKILL after ``--grace`` seconds, since JAX catches
+SIGTERM as a preemption notice). This matters: when one process dies, the
+others wait in a collective until JAX's heartbeat timeout (100 s by default),
+and a process that raises waits in JAX's shutdown barrier (300 s by default)
+unless it exits at once, which :func:`initialize` arranges. ``--timeout``
+bounds the whole run.
+
+This module needs only the standard library (and JAX for :func:`initialize`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping
+from collections.abc import Sequence
+from typing import TextIO
+
+_TAIL_LINES = 20
+_POLL_S = 0.05
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+  """A TCP port that is free on ``host`` now (the OS picks it for a socket bound to port 0)."""
+  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+    sock.bind((host, 0))
+    return sock.getsockname()[1]
+
+
+def process_env(
+  process_id: int,
+  num_processes: int,
+  coordinator_address: str,
+  devices_per_process: int,
+  base: Mapping[str, str] | None = None,
+) -> dict[str, str]:
+  """The environment of local process ``process_id`` (see the module docstring).
+
+  Args:
+    process_id: this process's index, ``0 <= process_id < num_processes``.
+    num_processes: how many processes form the runtime.
+    coordinator_address: ``host:port`` of the coordinator (process 0).
+    devices_per_process: CPU devices each process simulates.
+    base: the environment to extend; ``os.environ`` by default.
+
+  Returns:
+    A new environment mapping.
+  """
+  env = dict(os.environ if base is None else base)
+  xla_flags = [
+    flag
+    for flag in env.get("XLA_FLAGS", "").split()
+    if not flag.startswith("--xla_force_host_platform_device_count")
+  ]
+  env["XLA_FLAGS"] = " ".join(xla_flags)
+  env.update(
+    JAX_PLATFORMS="cpu",
+    JAX_NUM_CPU_DEVICES=str(devices_per_process),
+    JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo",
+    JAX_COORDINATOR_ADDRESS=coordinator_address,
+    JAX_NUM_PROCESSES=str(num_processes),
+    JAX_PROCESS_ID=str(process_id),
+    PYTHONUNBUFFERED="1",  # lines reach the launcher as they are printed
+  )
+  return env
+
+
+def _exit_now_on_uncaught_exception() -> None:
+  """Print the traceback and exit with status 1, skipping JAX's shutdown barrier."""
+  previous = sys.excepthook
+
+  def hook(kind, value, traceback):
+    previous(kind, value, traceback)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)  # atexit would wait up to 300 s for processes that will never arrive
+
+  sys.excepthook = hook
+
+
+def initialize(
+  coordinator_address: str | None = None,
+  num_processes: int | None = None,
+  process_id: int | None = None,
+  *,
+  exit_on_uncaught_exception: bool = True,
+) -> None:
+  """``jax.distributed.initialize`` with the arguments of this launcher's environment.
+
+  Arguments left ``None`` come from ``JAX_COORDINATOR_ADDRESS``,
+  ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID`` when set; the rest is left to
+  JAX's cluster detection (SLURM, Open MPI, Cloud TPU, Kubernetes). Call it
+  before anything else touches JAX's backend.
+
+  Args:
+    coordinator_address: ``host:port`` of process 0's coordinator service.
+    num_processes: the number of processes.
+    process_id: this process's index.
+    exit_on_uncaught_exception: make an uncaught exception end this process at
+      once (status 1, traceback printed) instead of waiting in JAX's shutdown
+      barrier for the other processes, so a launcher or scheduler sees it.
+
+  Example:
+    A script run by ``python -m optax_gsam.launch ... -- script.py``::
+
+      import optax_gsam.launch
+      optax_gsam.launch.initialize()
+      import jax
+      print(jax.process_index(), jax.process_count(), jax.device_count())
+  """
+  import jax
+
+  if coordinator_address is None:
+    coordinator_address = os.environ.get("JAX_COORDINATOR_ADDRESS") or None
+  if num_processes is None and os.environ.get("JAX_NUM_PROCESSES"):
+    num_processes = int(os.environ["JAX_NUM_PROCESSES"])
+  if process_id is None and os.environ.get("JAX_PROCESS_ID"):
+    process_id = int(os.environ["JAX_PROCESS_ID"])
+  if exit_on_uncaught_exception:
+    _exit_now_on_uncaught_exception()
+  jax.distributed.initialize(
+    coordinator_address=coordinator_address, num_processes=num_processes, process_id=process_id
+  )
+
+
+def _stream(index: int, pipe, tail: collections.deque, out: TextIO, lock: threading.Lock):
+  """Copies one process's output to ``out`` line by line, with its prefix."""
+  for raw in iter(pipe.readline, b""):
+    line = raw.decode(errors="replace").rstrip("\n")
+    tail.append(line)
+    with lock:
+      out.write(f"[proc {index}] {line}\n")
+      out.flush()
+  pipe.close()
+
+
+def _signal_group(process: subprocess.Popen, sig: int) -> None:
+  try:
+    os.killpg(process.pid, sig)  # the process and everything it started
+  except (ProcessLookupError, PermissionError):
+    pass
+
+
+def _stop(processes: Sequence[subprocess.Popen], grace: float) -> None:
+  """SIGTERM to every process group, then SIGKILL to what is left after ``grace`` s."""
+  for process in processes:
+    _signal_group(process, signal.SIGTERM)
+  deadline = time.monotonic() + grace
+  while time.monotonic() < deadline and any(p.poll() is None for p in processes):
+    time.sleep(_POLL_S)
+  for process in processes:
+    _signal_group(process, signal.SIGKILL)  # also reaches descendants of exited leaders
+    process.wait()
+
+
+def _exit_status(returncode: int) -> int:
+  """A ``Popen.returncode`` as a shell exit status: signal N gives 128 + N."""
+  return 128 - returncode if returncode < 0 else returncode
+
+
+def _describe(returncode: int) -> str:
+  if returncode < 0:
+    return f"was killed by {signal.Signals(-returncode).name}"
+  return f"exited with status {returncode}"
+
+
+def launch(
+  command: Sequence[str],
+  *,
+  num_processes: int,
+  devices_per_process: int = 1,
+  timeout: float | None = None,
+  grace: float = 3.0,
+  port: int | None = None,
+  out: TextIO | None = None,
+  err: TextIO | None = None,
+) -> int:
+  """Runs ``command`` as ``num_processes`` local processes of one JAX runtime.
+
+  Args:
+    command: the program and its arguments; a first word ending in ``.py``
+      runs with ``sys.executable``.
+    num_processes: how many processes to start (process ids ``0..N-1``).
+    devices_per_process: CPU devices per process.
+    timeout: seconds before every process is stopped (``None``: no limit).
+    grace: seconds between SIGTERM and SIGKILL when stopping processes.
+    port: the coordinator's port; a free one by default.
+    out: where the prefixed output goes (``sys.stdout`` by default).
+    err: where the launcher's own messages go (``sys.stderr`` by default).
+
+  Returns:
+    0 when every process exits with 0; otherwise the exit status of the first
+    process that failed (128 + N for signal N), or 124 on timeout.
+  """
+  if num_processes < 1 or devices_per_process < 1:
+    raise ValueError("num_processes and devices_per_process must be >= 1.")
+  if not command:
+    raise ValueError("command is empty.")
+  out, err = out or sys.stdout, err or sys.stderr
+  command = list(command)
+  if command[0].endswith(".py"):
+    command.insert(0, sys.executable)
+  coordinator = f"127.0.0.1:{port or free_port()}"
+  lock = threading.Lock()
+  processes, tails, readers = [], [], []
+  try:
+    for i in range(num_processes):
+      env = process_env(i, num_processes, coordinator, devices_per_process)
+      process = subprocess.Popen(
+        command,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,  # its own process group, which _stop signals as a whole
+      )
+      tail = collections.deque(maxlen=_TAIL_LINES)
+      reader = threading.Thread(target=_stream, args=(i, process.stdout, tail, out, lock))
+      reader.daemon = True
+      reader.start()
+      processes.append(process)
+      tails.append(tail)
+      readers.append(reader)
+    status = _watch(processes, tails, readers, timeout, grace, err, lock)
+  finally:
+    _stop(processes, grace)  # nothing outlives the launcher, even on KeyboardInterrupt
+    for reader in readers:
+      reader.join(timeout=5)
+  return status
+
+
+def _watch(processes, tails, readers, timeout, grace, err, lock) -> int:
+  """Waits for all processes to succeed, or for the first failure or the timeout."""
+  deadline = None if timeout is None else time.monotonic() + timeout
+  while True:
+    codes = [p.poll() for p in processes]
+    failed = [i for i, code in enumerate(codes) if code not in (None, 0)]
+    if failed:
+      first = failed[0]
+      code = codes[first]
+      with lock:
+        err.write(
+          f"[launch] process {first} (pid {processes[first].pid}) {_describe(code)}; "
+          "stopping the others.\n"
+        )
+        err.flush()
+      _stop(processes, grace)
+      readers[first].join(timeout=2)  # its last lines, before they are summarised
+      with lock:
+        err.write(f"[launch] last output of process {first}:\n")
+        err.writelines(f"[launch]   {line}\n" for line in tails[first])
+        err.flush()
+      return _exit_status(code)
+    if all(code == 0 for code in codes):
+      return 0
+    if deadline is not None and time.monotonic() > deadline:
+      running = [i for i, code in enumerate(codes) if code is None]
+      with lock:
+        err.write(f"[launch] timeout after {timeout:g} s; stopping processes {running}.\n")
+        err.flush()
+      _stop(processes, grace)
+      return 124
+    time.sleep(_POLL_S)
+
+
+def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+  parser = argparse.ArgumentParser(
+    prog="python -m optax_gsam.launch",
+    description="Run a script as N local processes of one JAX multi-process runtime.",
+  )
+  parser.add_argument("--local-processes", type=int, required=True, metavar="N")
+  parser.add_argument("--devices-per-process", type=int, default=1, metavar="D")
+  parser.add_argument("--timeout", type=float, default=None, help="seconds; default: no limit")
+  parser.add_argument("--grace", type=float, default=3.0, help="seconds from SIGTERM to SIGKILL")
+  parser.add_argument("--port", type=int, default=None, help="coordinator port; default: free")
+  parser.add_argument("command", nargs=argparse.REMAINDER, help="-- script.py [args...]")
+  args = parser.parse_args(argv)
+  if args.command[:1] == ["--"]:
+    args.command = args.command[1:]
+  if not args.command:
+    parser.error("give the command after --, e.g. -- benchmarks/pod_launch.py --multihost")
+  return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  """The command line: ``python -m optax_gsam.launch --local-processes N ... -- command``."""
+  args = _parse_args(argv)
+
+  def stop_on_sigterm(signum, frame):
+    raise KeyboardInterrupt  # unwinds through launch(), which stops every process
+
+  signal.signal(signal.SIGTERM, stop_on_sigterm)
+  try:
+    return launch(
+      args.command,
+      num_processes=args.local_processes,
+      devices_per_process=args.devices_per_process,
+      timeout=args.timeout,
+      grace=args.grace,
+      port=args.port,
+    )
+  except KeyboardInterrupt:
+    return 130
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,154 @@
+"""optax_gsam.launch: environment, prefixed output, first failure, timeouts, process groups.
+
+The children here are plain Python programs (no JAX), so these tests take seconds;
+tests/test_multihost.py runs the launcher on real JAX processes.
+"""
+
+import io
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from optax_gsam import launch
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def python(code: str) -> list[str]:
+  return [sys.executable, "-c", textwrap.dedent(code)]
+
+
+def is_gone(pid: int) -> bool:
+  """True when ``pid`` no longer runs (exited, or a zombie nobody has reaped yet)."""
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return True
+  status = pathlib.Path(f"/proc/{pid}/status")
+  return status.exists() and "\nState:\tZ" in status.read_text()
+
+
+def run(command, **kwargs):
+  out, err = io.StringIO(), io.StringIO()
+  start = time.monotonic()
+  status = launch.launch(command, out=out, err=err, **kwargs)
+  return status, out.getvalue(), err.getvalue(), time.monotonic() - start
+
+
+def test_process_env_sets_the_runtime_and_drops_an_inherited_device_count():
+  base = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8 --xla_cpu_foo=1", "HOME": "/h"}
+  env = launch.process_env(1, 2, "127.0.0.1:1234", 4, base=base)
+  assert env["JAX_PLATFORMS"] == "cpu" and env["JAX_NUM_CPU_DEVICES"] == "4"
+  assert env["JAX_CPU_COLLECTIVES_IMPLEMENTATION"] == "gloo"
+  assert env["JAX_COORDINATOR_ADDRESS"] == "127.0.0.1:1234"
+  assert (env["JAX_NUM_PROCESSES"], env["JAX_PROCESS_ID"]) == ("2", "1")
+  assert env["XLA_FLAGS"] == "--xla_cpu_foo=1" and env["HOME"] == "/h"
+  assert base["XLA_FLAGS"].startswith("--xla_force_host")  # the caller's mapping is untouched
+
+
+def test_free_port_can_be_bound():
+  import socket
+
+  port = launch.free_port()
+  with socket.socket() as sock:
+    sock.bind(("127.0.0.1", port))
+
+
+def test_every_process_gets_its_id_and_its_lines_are_prefixed():
+  code = """
+    import os
+    e = os.environ
+    print(f"id={e['JAX_PROCESS_ID']} of {e['JAX_NUM_PROCESSES']} devices={e['JAX_NUM_CPU_DEVICES']}")
+    print("coordinator", e["JAX_COORDINATOR_ADDRESS"])
+  """
+  status, out, err, _ = run(python(code), num_processes=3, devices_per_process=2, port=4321)
+  assert status == 0, err
+  for i in range(3):
+    assert f"[proc {i}] id={i} of 3 devices=2\n" in out
+    assert f"[proc {i}] coordinator 127.0.0.1:4321\n" in out
+
+
+def test_first_failure_stops_the_others_and_their_children(tmp_path):
+  pid_file = tmp_path / "grandchild.pid"
+  code = f"""
+    import os, subprocess, sys, time
+    if os.environ["JAX_PROCESS_ID"] == "1":
+      time.sleep(0.5)
+      print("process 1 saw a bad thing", flush=True)
+      sys.exit(3)
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    open({str(pid_file)!r}, "w").write(str(child.pid))
+    time.sleep(600)  # like a JAX process waiting in a collective for the dead one
+  """
+  status, _, err, seconds = run(python(code), num_processes=2, grace=1.0)
+  assert status == 3
+  assert "process 1" in err and "exited with status 3" in err
+  assert "process 1 saw a bad thing" in err  # its last output is repeated in the summary
+  assert seconds < 30
+  grandchild = int(pid_file.read_text())
+  deadline = time.monotonic() + 5
+  while not is_gone(grandchild) and time.monotonic() < deadline:
+    time.sleep(0.05)
+  assert is_gone(grandchild)
+
+
+def test_a_process_killed_by_a_signal_gives_128_plus_the_signal():
+  code = """
+    import os, signal, time
+    if os.environ["JAX_PROCESS_ID"] == "0":
+      os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(600)
+  """
+  status, _, err, seconds = run(python(code), num_processes=2, grace=1.0)
+  assert status == 128 + 9
+  assert "process 0" in err and "killed by SIGKILL" in err
+  assert seconds < 30
+
+
+def test_timeout_kills_processes_that_ignore_sigterm():
+  # JAX catches SIGTERM (a preemption notice) and keeps running, as this child does.
+  code = """
+    import signal, time
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    print("ready", flush=True)
+    time.sleep(600)
+  """
+  status, out, err, seconds = run(python(code), num_processes=2, timeout=1.0, grace=0.5)
+  assert status == 124
+  assert "timeout" in err and "[proc 1] ready" in out
+  assert seconds < 20
+
+
+def test_bad_arguments_raise():
+  with pytest.raises(ValueError, match="num_processes"):
+    launch.launch(["true"], num_processes=0)
+  with pytest.raises(ValueError, match="empty"):
+    launch.launch([], num_processes=1)
+
+
+def test_command_line_runs_a_py_script_with_this_python(tmp_path):
+  script = tmp_path / "hello.py"
+  script.write_text("import os, sys\nprint('hello', os.environ['JAX_PROCESS_ID'], sys.argv[1:])\n")
+  launcher = [sys.executable, "-m", "optax_gsam.launch", "--local-processes", "2"]
+  result = subprocess.run(
+    [*launcher, "--timeout", "60", "--", str(script), "--flag", "x"],
+    capture_output=True,
+    text=True,
+    timeout=120,
+    cwd=ROOT,
+  )
+  assert result.returncode == 0, result.stderr
+  assert "[proc 0] hello 0 ['--flag', 'x']" in result.stdout
+  assert "[proc 1] hello 1 ['--flag', 'x']" in result.stdout
+
+
+def test_command_line_needs_a_command():
+  with pytest.raises(SystemExit):
+    launch._parse_args(["--local-processes", "2", "--"])
+  args = launch._parse_args(["--local-processes", "2", "--", "a.py", "--b"])
+  assert args.command == ["a.py", "--b"] and args.local_processes == 2
