@@ -1,0 +1,100 @@
+"""The pod path on JAX's multi-process runtime: 2 processes x 4 CPU devices against 1 x 8.
+
+One launch of tests/_multihost_worker.py runs every check in both processes (real
+cross-process gloo collectives); the same checks run here, in this 8-device process,
+as the reference. The launched processes set their own JAX platform and device count
+from the launcher's environment; nothing of this process's JAX config reaches them.
+"""
+
+import pathlib
+import subprocess
+import sys
+import time
+
+import _multihost_worker as worker
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+WORKER = ROOT / "tests" / "_multihost_worker.py"
+LAUNCH = [sys.executable, "-m", "optax_gsam.launch", "--local-processes", "2"]
+TOL = {"rtol": 1e-5, "atol": 1e-6}  # float32, summed in another order across processes
+
+
+def launch_worker(*args, timeout_s=240):
+  command = [*LAUNCH, "--devices-per-process", "4", "--timeout", str(timeout_s)]
+  command += ["--", str(WORKER), *map(str, args)]
+  start = time.monotonic()
+  result = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s + 60, cwd=ROOT)
+  return result, time.monotonic() - start
+
+
+def dense_clip(params, images, texts):
+  """CLIP's loss on the whole batch, from the formula (the test's own reference)."""
+  unit = lambda z: z / jnp.linalg.norm(z, axis=-1, keepdims=True)
+  x = unit(jnp.tanh(images @ params["w_image"]))
+  y = unit(jnp.tanh(texts @ params["w_text"]))
+  logits = jnp.exp(params["t"]) * x @ y.T
+  diagonal = jnp.diag(logits)
+  rows = jax.nn.logsumexp(logits, axis=1) - diagonal
+  columns = jax.nn.logsumexp(logits, axis=0) - diagonal
+  return (rows.mean() + columns.mean()) / 2
+
+
+def assert_close(two, one, key):
+  np.testing.assert_allclose(two[key], one[key], **TOL, err_msg=f"2x4 vs 1x8: {key}")
+
+
+def test_two_processes_match_one_process(tmp_path):
+  result, seconds = launch_worker(tmp_path)
+  assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+  runs = [dict(np.load(tmp_path / f"process_{i}.npz")) for i in range(2)]
+  for key in runs[0]:  # both processes hold the same replicated results
+    np.testing.assert_array_equal(runs[0][key], runs[1][key], err_msg=key)
+  two = runs[0]
+  assert int(two["process_count"]) == 2 and int(two["device_count"]) == 8
+  assert jax.device_count() == 8 and jax.process_count() == 1
+  one = worker.run_checks(ckpt_dir=tmp_path / "one_process")
+  data = worker.problem()
+
+  # Per-device and synchronized GSAM through data_parallel, several steps.
+  for mode in ("per_device", "sync"):
+    assert_close(two, one, f"{mode}/losses")
+    for name in ("w1", "w2"):
+      key = f"{mode}/params/{name}"
+      assert_close(two, one, key)
+      assert np.max(np.abs(two[key] - data[name])) > 1e-2, f"{key} did not train"
+  # The two modes differ by far more than the tolerance, so neither stands in for the other.
+  assert np.max(np.abs(two["per_device/params/w1"] - two["sync/params/w1"])) > 1e-4
+
+  # The gradient cache with a global contrastive batch: the all-gather crosses processes.
+  keys = [k for k in one if k.startswith("clip/")]
+  for key in keys:
+    assert_close(two, one, key)
+  params = {"w_image": data["w_image"], "w_text": data["w_text"], "t": np.float32(1.0)}
+  value, grads = jax.value_and_grad(dense_clip)(params, data["images"], data["texts"])
+  np.testing.assert_allclose(two["clip/value"], value, rtol=1e-5)
+  for name in params:
+    np.testing.assert_allclose(two[f"clip/grads/{name}"], grads[name], rtol=1e-4, atol=1e-6)
+
+  # The orbax checkpoint written by both processes at step 2, restored, resumes bit for bit.
+  assert int(two["resumed/count"]) == worker.SAVE_AT
+  assert (tmp_path / "checkpoints" / f"step_{worker.SAVE_AT}").is_dir()
+  for name in ("w1", "w2"):
+    np.testing.assert_array_equal(two[f"resumed/params/{name}"], two[f"per_device/params/{name}"])
+  print(f"2 x 4 launch: {seconds:.1f} s")
+
+
+@pytest.mark.parametrize("how", ["kill", "raise"])
+def test_a_dead_process_ends_the_job_within_the_bound(tmp_path, how):
+  result, seconds = launch_worker(tmp_path, "--crash", how, timeout_s=120)
+  assert seconds < 60, f"the launcher took {seconds:.0f} s"
+  assert result.returncode == (128 + 9 if how == "kill" else 1)
+  assert "[launch] process 1 (pid" in result.stderr
+  if how == "kill":
+    assert "killed by SIGKILL" in result.stderr
+  else:  # the traceback, not a 300 s wait in JAX's shutdown barrier
+    assert "exited with status 1" in result.stderr
+    assert "RuntimeError: process 1 fails on purpose" in result.stderr
