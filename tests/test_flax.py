@@ -17,6 +17,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from flax.training import dynamic_scale as dynamic_scale_lib
 from flax.training import train_state as flax_train_state
 
 import optax_gsam
@@ -480,3 +481,99 @@ def test_apply_gradients_forwards_names_far_from_every_field():
   grads = jax.tree.map(jnp.ones_like, state.params)
   state.apply_gradients(grads=grads, loss_fn=None, value_and_grad_fn=None, value=1.0, perturb=True)
   assert set(seen) == {"loss_fn", "value_and_grad_fn", "value", "perturb"}
+
+
+# --- Mixed precision: DynamicScale (the recipe of docs/flax.md) -----------------------------
+
+
+class ScaledState(TrainState):
+  dynamic_scale: dynamic_scale_lib.DynamicScale
+
+
+def dynamic_scale_step(loss_of, *, scale_perturbed_pass=True):
+  """The docs' DynamicScale step; the wrong variant leaves the perturbed pass unscaled."""
+
+  @jax.jit
+  def step(state):
+    dynamic_scale, _, loss, grads = state.dynamic_scale.value_and_grad(loss_of)(state.params)
+
+    def perturbed_value_and_grad(params):
+      if not scale_perturbed_pass:
+        return jax.value_and_grad(loss_of)(params)
+      result = state.dynamic_scale.value_and_grad(loss_of)(params)
+      return result.aux, result.grad
+
+    return state.apply_gradients(
+      grads=grads,
+      dynamic_scale=dynamic_scale,
+      value_and_grad_fn=perturbed_value_and_grad,
+      value=loss,
+    )
+
+  return step
+
+
+def scaled_state(params, tx, scale):
+  return ScaledState.create(
+    apply_fn=None,
+    params=params,
+    tx=tx,
+    dynamic_scale=dynamic_scale_lib.DynamicScale(scale=scale),
+  )
+
+
+def test_dynamic_scale_recipe_scales_the_perturbed_pass():
+  """In float16 a gradient of ~1e-9 underflows unless the loss is scaled, in both passes."""
+  x = jnp.linspace(0.5, 1.5, 4)
+
+  def loss_of(params, dtype=jnp.float16):
+    z = jnp.sum(params["w"].astype(dtype) ** 2 * x.astype(dtype))
+    return 1e-9 * z.astype(jnp.float32)  # the cotangent 1e-9 is 0 in float16
+
+  tx = optax.chain(optax_gsam.sam(rho=0.5), optax.sgd(1e8))
+  params = {"w": jnp.array([1.0, -0.5, 0.25, 2.0])}
+  # The float32 reference: SAM's gradient, 2e-9 x (w + eps).
+  reference_loss = functools.partial(loss_of, dtype=jnp.float32)
+  g = jax.grad(reference_loss)(params)
+  expected, _ = tx.update(g, tx.init(params), params, loss_fn=reference_loss)
+
+  right = dynamic_scale_step(loss_of)(scaled_state(params, tx, 2.0**16))
+  wrong = dynamic_scale_step(loss_of, scale_perturbed_pass=False)(scaled_state(params, tx, 2.0**16))
+  moved = jax.tree.map(lambda a, b: a - b, right.params, params)
+  assert_trees_close(moved, expected, rtol=5e-3)
+  # The unscaled perturbed gradient underflowed to zero: SAM made no step at all.
+  assert_trees_close(wrong.params, params)
+
+
+def test_dynamic_scale_recipe_with_on_nonfinite_clean_and_apply_if_finite():
+  tx = optax.chain(
+    optax_gsam.gsam(rho=40.0, alpha=0.3, on_nonfinite="clean"),
+    optax.apply_if_finite(optax.sgd(0.01), max_consecutive_errors=10),
+  )
+
+  def loss_of(params):  # float16: the loss overflows past 65504, its gradient 2000 w too
+    return jnp.sum(params["w"].astype(jnp.float16) ** 2 * 1000.0).astype(jnp.float32)
+
+  step = dynamic_scale_step(loss_of)
+  # The clean pass is finite, the perturbed one (|w + eps| ~ 40) overflows: the clean gradient.
+  params = {"w": jnp.array([1.0, 2.0])}
+  state = step(scaled_state(params, tx, 1.0))
+  clean_grads = jax.grad(lambda p: jnp.sum(p["w"] ** 2 * 1000.0))(params)
+  assert_trees_close(state.params, {"w": params["w"] - 0.01 * clean_grads["w"]}, rtol=1e-3)
+  assert int(optax.tree.get(state.opt_state, "fallback_count")) == 1
+  assert float(state.dynamic_scale.scale) == 1.0
+  # With "propagate", apply_if_finite drops that step, and the scale does not move either.
+  propagate_tx = optax.chain(
+    optax_gsam.gsam(rho=40.0, alpha=0.3),
+    optax.apply_if_finite(optax.sgd(0.01), max_consecutive_errors=10),
+  )
+  dropped = step(scaled_state(params, propagate_tx, 1.0))
+  assert_trees_close(dropped.params, params)
+  assert float(dropped.dynamic_scale.scale) == 1.0
+  # The clean gradient overflows (2000 w > 65504): apply_if_finite skips the step, DynamicScale
+  # backs off, and the transform does not count it.
+  big = {"w": jnp.array([40.0, 5.0])}
+  state = step(scaled_state(big, tx, 1.0))
+  assert_trees_close(state.params, big)
+  assert float(state.dynamic_scale.scale) == 0.5
+  assert int(optax.tree.get(state.opt_state, "count")) == 0
