@@ -1,10 +1,12 @@
-"""Drop-in adapter for big_vision's GSAM trainer and configs.
+"""Adapter for big_vision's GSAM trainer and configs.
 
 Two ways in:
 
 * :func:`gsam_gradient` has the signature and the numerics of
-  ``big_vision.trainers.proj.gsam.gsam.gsam_gradient``; swapping the import is
-  enough, and a zero gradient no longer produces NaN.
+  ``big_vision.trainers.proj.gsam.gsam.gsam_gradient`` (a zero gradient no
+  longer produces NaN). The trainer also calls ``jax.tree_map`` and friends,
+  which current JAX no longer has; ``docs/big_vision_migration.md`` lists the
+  lines to change and every intentional difference from big_vision's function.
 * :func:`gsam_from_config` builds the :func:`optax_gsam.gsam` transform from a
   big_vision config (``config.lr``, ``config.schedule``, ``config.gsam``). The
   transform goes first in the optax chain, reads rho at its own step count and
