@@ -10,6 +10,7 @@ test can fail.
 import functools
 from typing import Any
 
+import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -418,6 +419,36 @@ def test_nnx_loss_fn_redraws_the_clean_masks_and_leaves_state_alone():
   assert_trees_close(
     nnx.state(model, nnx.BatchStat), nnx.state(reference, nnx.BatchStat), rtol=1e-6, atol=1e-7
   )
+
+
+SNAPSHOTS_THAT_FAIL = {
+  "closure": lambda rngs: rngs,
+  "clone": nnx.clone,
+  "fork": lambda rngs: rngs.fork(),
+  "bare_split": lambda rngs: nnx.merge(*nnx.split(rngs)),
+}
+
+
+@pytest.mark.parametrize("snapshot", SNAPSHOTS_THAT_FAIL)
+def test_nnx_rngs_without_pure_state_fail_as_the_docs_say(snapshot):
+  """docs/flax.md: these ways of giving the perturbed pass `rngs` fail under nnx.jit."""
+  batch = mnist_batch(4)
+
+  @nnx.jit
+  def step(model, optimizer, rngs):
+    perturbed_rngs = SNAPSHOTS_THAT_FAIL[snapshot](rngs)
+    graphdef, _, rest = nnx.split(model, nnx.Param, ...)
+    rest = nnx.as_pure(rest)
+
+    def perturbed_loss(params):
+      return mnist_loss_fn(nnx.merge(graphdef, params, rest), perturbed_rngs, batch)[0]
+
+    (loss, _), grads = nnx.value_and_grad(mnist_loss_fn, has_aux=True)(model, rngs, batch)
+    optimizer.update(model, grads, loss_fn=perturbed_loss, value=loss)
+
+  model, optimizer, _, rngs = mnist_setup(TX_GSAM)
+  with pytest.raises(flax.errors.TraceContextError, match="different trace level"):
+    step(model, optimizer, rngs)
 
 
 def test_nnx_rngs_argument_gsam_trains():
