@@ -16,9 +16,17 @@ from optax_gsam._src.perturbation import gradient_stats
 from optax_gsam._src.perturbation import orthogonal_component
 from optax_gsam._src.perturbation import perturbation
 from optax_gsam._src.perturbation import reuse_correction
+from optax_gsam._src.policies import GradientNormState
+from optax_gsam._src.policies import RandomPolicyState
+from optax_gsam._src.policies import SharpnessPolicy
+from optax_gsam._src.policies import every_k_policy
+from optax_gsam._src.policies import every_step_policy
+from optax_gsam._src.policies import gradient_norm_policy
+from optax_gsam._src.policies import random_policy
 from optax_gsam._src.schedules import rho_from_lr
 from optax_gsam._src.schedules import schedule_extrema
 from optax_gsam._src.sharpness import GSAMState
+from optax_gsam._src.sharpness import full_step_due
 from optax_gsam._src.sharpness import gsam
 from optax_gsam._src.sharpness import sam
 
@@ -26,17 +34,25 @@ __version__ = "0.1.0"
 
 __all__ = (
   "GSAMState",
+  "GradientNormState",
   "GradientStats",
+  "RandomPolicyState",
+  "SharpnessPolicy",
   "cached_value_and_grad",
   "clip_loss",
   "data_parallel",
   "decompose",
   "emulate_devices",
+  "every_k_policy",
+  "every_step_policy",
+  "full_step_due",
   "global_norm",
+  "gradient_norm_policy",
   "gradient_stats",
   "gsam",
   "orthogonal_component",
   "perturbation",
+  "random_policy",
   "reuse_correction",
   "rho_from_lr",
   "sam",

@@ -1,8 +1,13 @@
-"""GSAM and SAM as optax gradient transformations."""
+"""GSAM and SAM as optax gradient transformations.
+
+``update`` runs the stages of :mod:`optax_gsam._src.step` in order:
+hyperparameters at the step, the policy's choice, the full or cheap step of
+each replica, the reduction over ``axis_name`` or ``num_groups``, and the new
+state.
+"""
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Callable
 from collections.abc import Hashable
 from typing import Any
@@ -13,19 +18,28 @@ import jax.numpy as jnp
 import optax
 
 from optax_gsam._src import perturbation as pert
+from optax_gsam._src import step
+from optax_gsam._src.policies import DEFAULT_REUSE_WEIGHT
+from optax_gsam._src.policies import SharpnessPolicy
+from optax_gsam._src.policies import policy_from_arguments
+from optax_gsam._src.user_functions import group_value_and_grad
+from optax_gsam._src.user_functions import scalar_loss
+from optax_gsam._src.user_functions import value_and_grad_from
 from optax_gsam._src.validation import check_axis_name
+from optax_gsam._src.validation import check_data_axis_is_set
 from optax_gsam._src.validation import check_non_negative
 from optax_gsam._src.validation import check_positive
+from optax_gsam._src.validation import check_static_count
+from optax_gsam._src.validation import check_update_inputs
 
-LossFn = Callable[[optax.Params], jax.Array]
-ValueAndGradFn = Callable[[optax.Params], tuple[Any, optax.Updates]]
+ON_NONFINITE_CHOICES = ("propagate", "clean")
 
 
 class GSAMState(NamedTuple):
   """State of :func:`gsam` and :func:`sam`.
 
-  Every diagnostic describes the last update (zeros before the first one) and
-  is averaged over ``axis_name`` when one is set. Read them with
+  Every diagnostic describes the last full step (zeros before the first one)
+  and is averaged over ``axis_name`` when one is set. Read them with
   ``optax.tree.get(opt_state, "surrogate_gap")``.
 
   Attributes:
@@ -36,16 +50,25 @@ class GSAMState(NamedTuple):
       steps. A chain that repairs non-finite updates instead (e.g.
       ``optax.zero_nans()``) advances its optimizers on such a step while this
       count stays, which delays rho by one step per such step.
-    rho: the radius used by the last update.
+    rho: the radius :math:`\\rho_t` of the last update.
     perturbed_loss: :math:`f_p = f(w + \\epsilon)`.
     surrogate_gap: :math:`h = f_p - f`, when the clean loss was passed as
       ``value=``; 0 otherwise.
     cosine: cosine between the clean and the perturbed gradient.
     clean_grad_norm: :math:`\\|g_c\\|`.
     perturbed_grad_norm: :math:`\\|g_p\\|`.
-    correction: with ``perturb_every > 1``, the stored direction :math:`v`
-      reused on cheap steps (params-shaped); ``None`` otherwise. A step whose
-      gradients or perturbed loss are not finite keeps the previous one.
+    full_steps: how many of the counted updates took the full (perturbed)
+      step with a finite perturbed loss; with a cheap policy, ``full_steps / count`` is the fraction of
+      steps that paid for a second gradient.
+    fallback_count: with ``on_nonfinite="clean"``, how many full steps had a
+      non-finite perturbed loss or gradient and output the clean gradient
+      instead. Never reset.
+    policy_state: the state of the cheap-step policy (see
+      :class:`optax_gsam.SharpnessPolicy`).
+    correction: for policies with ``cheap="reuse"`` (e.g. ``perturb_every >
+      1``), the stored direction :math:`v` reused on cheap steps
+      (params-shaped); ``None`` otherwise. A step whose gradients or perturbed
+      loss are not finite keeps the previous one.
   """
 
   count: jax.Array
@@ -55,110 +78,170 @@ class GSAMState(NamedTuple):
   cosine: jax.Array
   clean_grad_norm: jax.Array
   perturbed_grad_norm: jax.Array
+  full_steps: jax.Array
+  fallback_count: jax.Array
+  policy_state: Any = optax.EmptyState()
   correction: optax.Updates | None = None
 
 
-def _pmean(tree, axis_name):
-  try:
-    return jax.lax.pmean(tree, axis_name)
-  except NameError as error:
-    raise ValueError(
-      f"axis_name={axis_name!r} is not bound here. With axis_name set, call update inside "
-      "jax.pmap, jax.shard_map or jax.vmap over that axis name; outside them, leave "
-      "axis_name=None."
-    ) from error
+def _previous_diagnostics(state: GSAMState) -> jax.Array:
+  return jnp.stack(
+    [
+      state.perturbed_loss,
+      state.surrogate_gap,
+      state.cosine,
+      state.clean_grad_norm,
+      state.perturbed_grad_norm,
+    ]
+  )
 
 
-def _grad_fn_from(loss_fn, value_and_grad_fn) -> ValueAndGradFn:
-  if (loss_fn is None) == (value_and_grad_fn is None):
-    raise ValueError(
-      "Pass exactly one of loss_fn (params -> scalar loss) or value_and_grad_fn "
-      "(params -> (value, grads)) to update(); got "
-      f"loss_fn={'set' if loss_fn is not None else None}, "
-      f"value_and_grad_fn={'set' if value_and_grad_fn is not None else None}."
-    )
-  fn = loss_fn if loss_fn is not None else value_and_grad_fn
-  if not callable(fn):
-    name = "loss_fn" if loss_fn is not None else "value_and_grad_fn"
-    raise ValueError(f"{name} must be callable, got {type(fn).__name__}.")
-  return jax.value_and_grad(loss_fn) if loss_fn is not None else value_and_grad_fn
+def _outcome(
+  result: step.ReplicaResult, state: GSAMState, full: bool, updates: optax.Updates
+) -> step.Outcome:
+  """A reduced branch result, with what a cheap step leaves as it was taken from ``state``."""
+  correction = state.correction
+  if result.correction is not None:
+    correction = optax.tree.cast_like(result.correction, state.correction)
+  diagnostics = result.diagnostics
+  if diagnostics is None:
+    diagnostics = _previous_diagnostics(state)
+  direction = optax.tree.cast_like(result.direction, updates)
+  return step.Outcome(direction, correction, diagnostics, jnp.asarray(full))
 
 
-def _scalar_loss(value) -> jax.Array:
-  if isinstance(value, (tuple, list)):  # (loss, aux) from a has_aux function.
-    value = value[0]
-  value = jnp.asarray(value)
-  if value.shape != ():
-    raise ValueError(f"The loss must be a scalar, got shape {value.shape}.")
-  return value.astype(jnp.float32)
+def _replicated_update(settings, rho_hyper, updates, state, params, grad_fn, value, perturb):
+  """Single device, or one replica under ``axis_name``."""
+  clean_grads = step.pmean(updates, settings.axis_name) if settings.synchronized else updates
+  clean_loss = scalar_loss(value) if value is not None else None
+  signal_axis = settings.axis_name if settings.per_device else None
+  due, policy_state = step.decide(
+    settings.policy, state.policy_state, state.count, rho_hyper, clean_grads, signal_axis
+  )
+
+  def full():
+    result = step.full_replica(settings, clean_grads, params, grad_fn, rho_hyper.rho, clean_loss)
+    return _outcome(step.reduce_replica(settings, result), state, True, updates)
+
+  def cheap():
+    result = step.cheap_replica(settings, clean_grads, state.correction, rho_hyper.reuse_weight)
+    return _outcome(step.reduce_replica(settings, result), state, False, updates)
+
+  if settings.per_device:
+    clean_average = lambda: step.pmean(updates, settings.axis_name)
+  else:
+    clean_average = lambda: clean_grads
+  return step.choose(due, full, cheap, perturb), policy_state, clean_average
 
 
-def _shape_mismatches(a, b) -> list[str]:
-  """'path: shape vs shape' for every leaf pair of two same-structure pytrees whose shapes differ."""
-  paths_a = jax.tree_util.tree_flatten_with_path(a)[0]
-  return [
-    f"{jax.tree_util.keystr(path)}: {jnp.shape(x)} vs {jnp.shape(y)}"
-    for (path, x), y in zip(paths_a, jax.tree.leaves(b), strict=True)
-    if jnp.shape(x) != jnp.shape(y)
-  ]
+def _grouped_update(settings, rho_hyper, updates, state, params, group_fn, perturb):
+  """``num_groups`` emulation: a scan over groups, each perturbed with its own gradient."""
+  due, policy_state = step.decide(
+    settings.policy, state.policy_state, state.count, rho_hyper, updates
+  )
 
+  def clean_of(group):
+    value, grads = group_fn(group)(params)
+    return scalar_loss(value), optax.tree.cast_like(grads, updates)
 
-def _check_structures(updates, params, correction=None) -> None:
-  if params is None:
-    raise ValueError("gsam/sam need params: call tx.update(grads, opt_state, params, loss_fn=...).")
-  updates_structure, params_structure = jax.tree.structure(updates), jax.tree.structure(params)
-  if updates_structure != params_structure:
-    raise ValueError(
-      "The gradient and params pytrees differ in structure: "
-      f"{updates_structure} vs {params_structure}."
-    )
-  mismatches = _shape_mismatches(updates, params)
-  if mismatches:
-    raise ValueError(
-      "The gradient and params pytrees differ in leaf shapes (gradient vs params): "
-      + "; ".join(mismatches[:5])
-      + "."
-    )
-  if correction is None:
-    return
-  if jax.tree.structure(correction) != params_structure or _shape_mismatches(correction, params):
-    raise ValueError(
-      "The optimizer state was initialised for other params: its stored direction "
-      "(GSAMState.correction) does not match the structure and shapes of params. Call "
-      "tx.init(params) with these params, or restore the checkpoint into tx.init(params)."
+  def full_of(group):
+    clean_loss, clean_grads = clean_of(group)
+    return step.full_replica(
+      settings, clean_grads, params, group_fn(group), rho_hyper.rho, clean_loss
     )
 
+  def cheap_of(group):
+    clean_grads = clean_of(group)[1]
+    return step.cheap_replica(settings, clean_grads, state.correction, rho_hyper.reuse_weight)
 
-def _is_static_zero(value) -> bool:
-  return isinstance(value, numbers.Real) and value == 0
+  groups = settings.num_groups
+  full = lambda: _outcome(step.average_groups(groups, full_of), state, True, updates)
+  cheap = lambda: _outcome(step.average_groups(groups, cheap_of), state, False, updates)
+  clean_average = lambda: step.average_groups(groups, lambda group: clean_of(group)[1])
+  return step.choose(due, full, cheap, perturb), policy_state, clean_average
 
 
-def _check_static_count(name: str, value, minimum: int) -> None:
-  if value is None:
-    return
-  if isinstance(value, jax.Array):  # e.g. made an array by optax.inject_hyperparams.
+def _next_state(
+  state: GSAMState,
+  rho_t: jax.Array,
+  outcome: step.Outcome,
+  policy_state: Any,
+  fell_back: jax.Array,
+) -> GSAMState:
+  """Stage 6: a step whose output is not finite does not count.
+
+  With the rest of the chain behind ``optax.apply_if_finite``, rho schedules
+  then stay aligned with the optimizers after this one.
+  """
+  increment = lambda count, flag: jnp.where(flag, optax.safe_increment(count), count)
+  diagnostics = outcome.diagnostics
+  counts = step.all_finite(outcome.direction)
+  return GSAMState(
+    count=increment(state.count, counts),
+    rho=rho_t.astype(jnp.float32),
+    perturbed_loss=diagnostics[0],
+    surrogate_gap=diagnostics[1],
+    cosine=diagnostics[2],
+    clean_grad_norm=diagnostics[3],
+    perturbed_grad_norm=diagnostics[4],
+    full_steps=increment(state.full_steps, outcome.full & counts & jnp.isfinite(diagnostics[0])),
+    fallback_count=increment(state.fallback_count, fell_back),
+    policy_state=policy_state,
+    correction=outcome.correction,
+  )
+
+
+def _check_perturb(perturb, policy: SharpnessPolicy) -> None:
+  if perturb is not None and not isinstance(perturb, bool):
     raise ValueError(
-      f"{name} must be a static Python int; with optax.inject_hyperparams pass "
-      f"static_args=({name!r},)."
+      f"perturb must be None or a Python bool (static; not an array), got {perturb!r}."
     )
-  if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
-    raise ValueError(f"{name} must be None or an int >= {minimum}, got {value!r}.")
+  if perturb is False and policy.always_full:
+    raise ValueError(
+      "perturb=False takes the cheap step, which the default policy never takes: set "
+      "perturb_every=k or policy= (e.g. optax_gsam.every_step_policy(skip_zero_rho=True) "
+      "for a plain base step at rho_t == 0)."
+    )
 
 
-def _all_finite(tree) -> jax.Array:
-  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
-
-
-def _accumulator(tree):
-  """Zeros shaped like ``tree`` in the accumulation dtype (float32 at least)."""
-  return jax.tree.map(lambda x: jnp.zeros(x.shape, pert.accumulation_dtype(x.dtype)), tree)
-
-
-def _tree_accumulate(total, tree):
-  return jax.tree.map(lambda t, x: t + x.astype(t.dtype), total, tree)
-
-
-NUM_DIAGNOSTICS = 5  # perturbed_loss, surrogate_gap, cosine, clean_grad_norm, perturbed_grad_norm
+def _settings(
+  alpha, eps, adaptive, minimize_fp, sync_perturbation, axis_name, num_groups, policy, on_nonfinite
+) -> step.Settings:
+  """Validates gsam's static arguments eagerly; every error names its argument."""
+  check_non_negative("alpha", alpha)
+  check_positive("eps", eps)
+  if adaptive not in pert.ADAPTIVE_CHOICES:
+    raise ValueError(f"adaptive must be one of {pert.ADAPTIVE_CHOICES}, got {adaptive!r}.")
+  for name, flag in (("minimize_fp", minimize_fp), ("sync_perturbation", sync_perturbation)):
+    if not isinstance(flag, bool):
+      raise ValueError(f"{name} must be a bool, got {flag!r}.")
+  check_axis_name(axis_name)
+  if sync_perturbation and axis_name is None:
+    raise ValueError(
+      "sync_perturbation=True needs axis_name: it averages the clean gradient over that axis."
+    )
+  if num_groups is not None and axis_name is not None:
+    raise ValueError(
+      "num_groups emulates devices on one device; it cannot be combined with axis_name."
+    )
+  if num_groups is not None and policy.uses_grad_norm:
+    raise ValueError(
+      f"policy={policy.name!r} reads the clean gradient's norm, which num_groups never forms "
+      "before its per-group passes; use it with axis_name, or pick another policy."
+    )
+  if on_nonfinite not in ON_NONFINITE_CHOICES:
+    raise ValueError(f"on_nonfinite must be one of {ON_NONFINITE_CHOICES}, got {on_nonfinite!r}.")
+  return step.Settings(
+    alpha,
+    eps,
+    adaptive,
+    minimize_fp,
+    sync_perturbation,
+    axis_name,
+    num_groups,
+    policy,
+    on_nonfinite,
+  )
 
 
 def gsam(
@@ -173,6 +256,8 @@ def gsam(
   num_groups: int | None = None,
   perturb_every: int | None = None,
   reuse_weight: optax.ScalarOrSchedule = 0.7,
+  policy: SharpnessPolicy | None = None,
+  on_nonfinite: str = "propagate",
 ) -> optax.GradientTransformationExtraArgs:
   r"""Surrogate Gap Guided Sharpness-Aware Minimization (GSAM).
 
@@ -200,8 +285,9 @@ def gsam(
   measure of sharpness. ``alpha=0`` is SAM.
 
   ``update(updates, state, params, *, loss_fn=None, value_and_grad_fn=None,
-  value=None, **extra_args)`` takes exactly one of ``loss_fn`` (params ->
-  scalar loss) or ``value_and_grad_fn`` (params -> (value, grads), where value
+  value=None, perturb=None, **extra_args)`` takes exactly one of ``loss_fn``
+  (params -> scalar loss, or ``(loss, aux)`` as Flax and big_vision losses
+  return; the first element is the loss) or ``value_and_grad_fn`` (params -> (value, grads), where value
   may be ``(loss, aux)``; e.g. :func:`optax_gsam.cached_value_and_grad`).
   ``value``, optax's name for the clean loss, is used for the surrogate gap
   diagnostic. Other extra args are ignored.
@@ -228,23 +314,36 @@ def gsam(
   itself and ignores the values in ``updates`` (only their structure and dtypes
   are read: pass ``optax.tree.zeros_like(params)`` to skip a clean pass).
 
-  **Cheap steps (LookSAM).** With ``perturb_every=k`` the perturbed gradient is
-  evaluated only at steps :math:`t \equiv 0 \pmod k`; a ``lax.cond`` skips the
-  work on the other steps. On full steps the transform stores
-  :math:`v = g^{\perp g_c}`, the part of its output orthogonal to the clean
-  gradient; in between it outputs
-  :math:`g_c + \lambda_t \|g_c\| v / \|v\|` with :math:`\lambda_t` =
-  ``reuse_weight``. For SAM this is LookSAM (Liu et al., 2022); for GSAM,
-  :math:`v` also carries the surrogate-gap term, so both corrections are
-  reused. ``update(..., perturb=True|False)``, a static Python bool, fixes the
-  branch at trace time instead of the ``lax.cond``: jit one step function per
-  branch and pick it in Python (e.g. ``step % k == 0``). That avoids XLA CPU's
-  slow convolutions inside conditionals (jax-ml/jax#12868), where a ``lax.cond``
-  full step can cost many times a plain one. Under ``jax.vmap`` the ``lax.cond``
-  stays a conditional while the state is not batched (as in
+  **Cheap steps.** A ``policy`` (:class:`optax_gsam.SharpnessPolicy`) decides
+  at each step between the full step above and a cheap one that needs only
+  :math:`g_c`: the clean gradient itself (``cheap="clean"``, a plain
+  base-optimizer step) or :math:`g_c + \lambda_t \|g_c\| v / \|v\|`, which
+  adds back :math:`v = g^{\perp g_c}`, the part of the last full step's output
+  orthogonal to the clean gradient (``cheap="reuse"``, LookSAM). For GSAM,
+  :math:`v` also carries the surrogate-gap term. The policies:
+  :func:`optax_gsam.every_step_policy` (the default),
+  :func:`optax_gsam.every_k_policy` (``perturb_every=k`` with
+  ``reuse_weight`` is this one), :func:`optax_gsam.gradient_norm_policy`
+  (AE-SAM) and :func:`optax_gsam.random_policy`. Every policy but the default
+  takes the cheap step where :math:`\rho_t = 0`. Inside one jitted step the
+  choice is a ``lax.cond``; ``update(..., perturb=True|False)``, a static
+  Python bool, fixes the branch at trace time instead (the policy's state
+  still advances): jit one step function per branch and pick it in Python,
+  with :func:`optax_gsam.full_step_due` for the policy's answer. That avoids
+  XLA CPU's slow convolutions inside conditionals (jax-ml/jax#12868), where a
+  ``lax.cond`` full step can cost many times a plain one. Under ``jax.vmap``
+  the ``lax.cond`` stays a conditional while the state is not batched (as in
   :func:`optax_gsam.emulate_devices`); vmapping over optimizer states turns it
-  into a select that runs both branches. The diagnostics keep the values of the
-  last full step.
+  into a select that runs both branches. The diagnostics keep the values of
+  the last full step; ``GSAMState.full_steps`` counts the full steps.
+
+  **Non-finite steps.** With ``on_nonfinite="propagate"`` a non-finite
+  perturbed loss or gradient reaches the output (put ``optax.apply_if_finite``
+  after the transform to skip such steps). With ``on_nonfinite="clean"``, a
+  full step whose perturbed loss or output is not finite while the clean
+  gradient is finite outputs the clean gradient (averaged like the output),
+  so the chain takes a plain base step; ``GSAMState.fallback_count`` counts
+  those steps. Either way such a step never replaces the stored direction.
 
   Under ``optax.inject_hyperparams(optax_gsam.gsam)``, rho, alpha, eps and
   reuse_weight become injectable; static options (``perturb_every``,
@@ -267,10 +366,14 @@ def gsam(
       under ``jax.jit`` with globally sharded arrays (gradients are global
       there, which behaves as synchronized).
     num_groups: emulate this many devices sequentially on one (see above).
-    perturb_every: evaluate the perturbed gradient every this many steps
-      (``None`` or 1: every step). A static int.
-    reuse_weight: :math:`\lambda`, a float >= 0 or schedule; read only with
-      ``perturb_every > 1``.
+    perturb_every: shorthand for ``policy=every_k_policy(perturb_every,
+      reuse_weight=reuse_weight)`` (``None`` or 1: every step). A static int.
+    reuse_weight: :math:`\lambda` of ``perturb_every``, a float >= 0 or a
+      schedule.
+    policy: when to take the full step (see above); ``None`` is
+      :func:`optax_gsam.every_step_policy`. Not together with
+      ``perturb_every``/``reuse_weight``.
+    on_nonfinite: ``"propagate"`` or ``"clean"`` (see above).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` with state :class:`GSAMState`.
@@ -303,167 +406,36 @@ def gsam(
   """
   if not callable(rho):
     check_non_negative("rho", rho, schedule=True)
-  check_non_negative("alpha", alpha)
-  if not callable(reuse_weight):
-    check_non_negative("reuse_weight", reuse_weight, schedule=True)
-  check_positive("eps", eps)
-  if adaptive not in pert.ADAPTIVE_CHOICES:
-    raise ValueError(f"adaptive must be one of {pert.ADAPTIVE_CHOICES}, got {adaptive!r}.")
-  for name, flag in (("minimize_fp", minimize_fp), ("sync_perturbation", sync_perturbation)):
-    if not isinstance(flag, bool):
-      raise ValueError(f"{name} must be a bool, got {flag!r}.")
-  check_axis_name(axis_name)
-  if sync_perturbation and axis_name is None:
-    raise ValueError(
-      "sync_perturbation=True needs axis_name: it averages the clean gradient over that axis."
-    )
-  _check_static_count("num_groups", num_groups, 1)
-  _check_static_count("perturb_every", perturb_every, 1)
-  if num_groups is not None and axis_name is not None:
-    raise ValueError(
-      "num_groups emulates devices on one device; it cannot be combined with axis_name."
-    )
-  cheap = perturb_every is not None and perturb_every > 1
-
-  def value_at(hyperparameter, count):
-    return jnp.asarray(hyperparameter(count) if callable(hyperparameter) else hyperparameter)
+  check_static_count("num_groups", num_groups, 1)
+  check_static_count("perturb_every", perturb_every, 1)
+  policy = policy_from_arguments(policy, perturb_every, reuse_weight)
+  settings = _settings(
+    alpha,
+    eps,
+    adaptive,
+    minimize_fp,
+    sync_perturbation,
+    axis_name,
+    num_groups,
+    policy,
+    on_nonfinite,
+  )
 
   def init_fn(params: optax.Params) -> GSAMState:
-    zero = jnp.zeros([], jnp.float32)
+    zero, zero_count = jnp.zeros([], jnp.float32), jnp.zeros([], jnp.int32)
     return GSAMState(
-      count=jnp.zeros([], jnp.int32),
+      count=zero_count,
       rho=zero,
       perturbed_loss=zero,
       surrogate_gap=zero,
       cosine=zero,
       clean_grad_norm=zero,
       perturbed_grad_norm=zero,
-      correction=optax.tree.zeros_like(params) if cheap else None,
+      full_steps=zero_count,
+      fallback_count=zero_count,
+      policy_state=policy.init(),
+      correction=optax.tree.zeros_like(params) if policy.stores_direction else None,
     )
-
-  def full_replica(clean_grads, params, grad_fn, rho_t, clean_loss, sync_axis):
-    """One device's (or group's) GSAM gradient and its diagnostics."""
-    epsilon = pert.perturbation(clean_grads, params, rho_t, adaptive=adaptive, eps=eps)
-    perturbed_value, perturbed_grads = grad_fn(optax.apply_updates(params, epsilon))
-    perturbed_loss = _scalar_loss(perturbed_value)
-    if sync_axis is not None:
-      perturbed_grads = _pmean(perturbed_grads, sync_axis)
-    stats = pert.gradient_stats(clean_grads, perturbed_grads)
-    if _is_static_zero(alpha) and minimize_fp:  # SAM: skip the decomposition.
-      direction = optax.tree.cast_like(perturbed_grads, clean_grads)
-    else:
-      direction = pert.decompose(
-        clean_grads, perturbed_grads, alpha, minimize_fp=minimize_fp, eps=eps, stats=stats
-      )
-    gap = perturbed_loss - clean_loss if clean_loss is not None else jnp.zeros([], jnp.float32)
-    diagnostics = jnp.stack(
-      [
-        perturbed_loss,
-        gap,
-        stats.cosine.astype(jnp.float32),
-        stats.clean_norm.astype(jnp.float32),
-        stats.perturbed_norm.astype(jnp.float32),
-      ]
-    )
-    return direction, diagnostics
-
-  def cheap_replica(clean_grads, correction, weight):
-    return pert.reuse_correction(clean_grads, correction, weight, eps=eps)
-
-  def stored_correction(direction, clean_grads, like):
-    correction = pert.orthogonal_component(direction, clean_grads, eps=eps)
-    return optax.tree.cast_like(correction, like)
-
-  def previous_diagnostics(state):
-    return jnp.stack(
-      [
-        state.perturbed_loss,
-        state.surrogate_gap,
-        state.cosine,
-        state.clean_grad_norm,
-        state.perturbed_grad_norm,
-      ]
-    )
-
-  def choose_branch(full, reuse, count, perturb):
-    """The perturbed pass on every k-th step (lax.cond), or as the caller fixes it statically."""
-    if perturb is None:
-      return jax.lax.cond(count % perturb_every == 0, full, reuse, None)
-    return full(None) if perturb else reuse(None)
-
-  def data_parallel_update(updates, state, params, grad_fn, value, rho_t, weight, perturb):
-    """Single device, or one replica under axis_name."""
-    synchronized = axis_name is not None and sync_perturbation
-    per_device = axis_name is not None and not sync_perturbation
-    clean_grads = _pmean(updates, axis_name) if synchronized else updates
-    clean_loss = _scalar_loss(value) if value is not None else None
-    sync_axis = axis_name if synchronized else None
-
-    def full(_):
-      direction, diagnostics = full_replica(
-        clean_grads, params, grad_fn, rho_t, clean_loss, sync_axis
-      )
-      correction = stored_correction(direction, clean_grads, state.correction) if cheap else None
-      if per_device:  # One collective for the output, the correction and the scalars.
-        return _pmean((direction, correction, diagnostics), axis_name)
-      if axis_name is not None:
-        diagnostics = _pmean(diagnostics, axis_name)
-      return direction, correction, diagnostics
-
-    if not cheap:
-      direction, _, diagnostics = full(None)
-      return direction, None, diagnostics
-
-    def reuse(_):
-      direction = cheap_replica(clean_grads, state.correction, weight)
-      if per_device:
-        direction = _pmean(direction, axis_name)
-      return direction, state.correction, previous_diagnostics(state)
-
-    return choose_branch(full, reuse, state.count, perturb)
-
-  def grouped_update(updates, state, params, group_fn, rho_t, weight, perturb):
-    """num_groups emulation: a scan over groups, each perturbed with its own gradient."""
-    groups = jnp.arange(num_groups, dtype=jnp.int32)
-    accumulation = _accumulator(updates)
-
-    def scan_groups(body, carry):
-      total, _ = jax.lax.scan(lambda c, g: (body(c, g), None), carry, groups)
-      return jax.tree.map(lambda t: t / num_groups, total)
-
-    def full(_):
-      def body(total, group):
-        clean_value, clean_grads = group_fn(group)(params)
-        clean_grads = optax.tree.cast_like(clean_grads, updates)
-        direction, diagnostics = full_replica(
-          clean_grads, params, group_fn(group), rho_t, _scalar_loss(clean_value), None
-        )
-        correction = stored_correction(direction, clean_grads, state.correction) if cheap else None
-        return _tree_accumulate(total, (direction, correction, diagnostics))
-
-      initial = (
-        accumulation,
-        _accumulator(state.correction),
-        jnp.zeros([NUM_DIAGNOSTICS], jnp.float32),
-      )
-      direction, correction, diagnostics = scan_groups(body, initial)
-      if cheap:
-        correction = optax.tree.cast_like(correction, state.correction)
-      return direction, correction, diagnostics
-
-    if not cheap:
-      direction, _, diagnostics = full(None)
-      return direction, None, diagnostics
-
-    def reuse(_):
-      def body(total, group):
-        _, clean_grads = group_fn(group)(params)
-        clean_grads = optax.tree.cast_like(clean_grads, updates)
-        return _tree_accumulate(total, cheap_replica(clean_grads, state.correction, weight))
-
-      return scan_groups(body, accumulation), state.correction, previous_diagnostics(state)
-
-    return choose_branch(full, reuse, state.count, perturb)
 
   def update_fn(
     updates: optax.Updates,
@@ -477,53 +449,22 @@ def gsam(
     **extra_args: Any,
   ) -> tuple[optax.Updates, GSAMState]:
     del extra_args
-    if perturb is not None and not isinstance(perturb, bool):
-      raise ValueError(
-        f"perturb must be None or a Python bool (static; not an array), got {perturb!r}."
-      )
-    if perturb is False and not cheap:
-      raise ValueError(
-        "perturb=False reuses a stored direction, which only perturb_every > 1 keeps."
-      )
-    _check_structures(updates, params, state.correction if cheap else None)
-    rho_t = value_at(rho, state.count)
-    weight = value_at(reuse_weight, state.count) if cheap else None
+    _check_perturb(perturb, policy)
+    check_update_inputs(updates, params, state.correction)
+    check_data_axis_is_set(axis_name)
+    rho_hyper = step.hyperparams_at(rho, policy, state.count)
     if num_groups is None:
-      grad_fn = _grad_fn_from(loss_fn, value_and_grad_fn)
-      direction, correction, diagnostics = data_parallel_update(
-        updates, state, params, grad_fn, value, rho_t, weight, perturb
+      grad_fn = value_and_grad_from(loss_fn, value_and_grad_fn)
+      outcome, policy_state, clean_average = _replicated_update(
+        settings, rho_hyper, updates, state, params, grad_fn, value, perturb
       )
     else:
-      _grad_fn_from(loss_fn, value_and_grad_fn)  # Validates the arguments.
-      if loss_fn is not None:
-        group_fn = lambda group: jax.value_and_grad(lambda p: loss_fn(p, group))
-      else:
-        group_fn = lambda group: lambda p: value_and_grad_fn(p, group)
-      direction, correction, diagnostics = grouped_update(
-        updates, state, params, group_fn, rho_t, weight, perturb
+      group_fn = group_value_and_grad(loss_fn, value_and_grad_fn)
+      outcome, policy_state, clean_average = _grouped_update(
+        settings, rho_hyper, updates, state, params, group_fn, perturb
       )
-    direction = optax.tree.cast_like(direction, updates)
-    if cheap:
-      # A non-finite step (its gradients or its perturbed loss) never replaces the stored
-      # direction.
-      finite = _all_finite(correction) & jnp.isfinite(diagnostics[0])
-      correction = jax.tree.map(
-        lambda new, old: jnp.where(finite, new, old), correction, state.correction
-      )
-    # A step whose output is not finite does not count: with the rest of the chain behind
-    # optax.apply_if_finite, rho schedules stay aligned with the optimizers after this one.
-    count = jnp.where(_all_finite(direction), optax.safe_increment(state.count), state.count)
-    new_state = GSAMState(
-      count=count,
-      rho=rho_t.astype(jnp.float32),
-      perturbed_loss=diagnostics[0],
-      surrogate_gap=diagnostics[1],
-      cosine=diagnostics[2],
-      clean_grad_norm=diagnostics[3],
-      perturbed_grad_norm=diagnostics[4],
-      correction=correction,
-    )
-    return direction, new_state
+    outcome, fell_back = step.guard_nonfinite(settings, outcome, state.correction, clean_average)
+    return outcome.direction, _next_state(state, rho_hyper.rho, outcome, policy_state, fell_back)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -538,6 +479,8 @@ def sam(
   num_groups: int | None = None,
   perturb_every: int | None = None,
   reuse_weight: optax.ScalarOrSchedule = 0.7,
+  policy: SharpnessPolicy | None = None,
+  on_nonfinite: str = "propagate",
 ) -> optax.GradientTransformationExtraArgs:
   r"""Sharpness-Aware Minimization (SAM): :func:`gsam` with ``alpha=0``.
 
@@ -574,4 +517,61 @@ def sam(
     num_groups=num_groups,
     perturb_every=perturb_every,
     reuse_weight=reuse_weight,
+    policy=policy,
+    on_nonfinite=on_nonfinite,
   )
+
+
+def _find_state(opt_state: Any) -> GSAMState:
+  found = [
+    leaf
+    for leaf in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, GSAMState))
+    if isinstance(leaf, GSAMState)
+  ]
+  if len(found) != 1:
+    raise ValueError(
+      f"opt_state must hold exactly one GSAMState (the state of gsam or sam), found {len(found)}."
+    )
+  return found[0]
+
+
+def full_step_due(
+  opt_state: Any,
+  grads: optax.Updates,
+  *,
+  policy: SharpnessPolicy | None = None,
+  rho: optax.ScalarOrSchedule,
+) -> jax.Array:
+  r"""Whether the next ``update`` would take the full step: the policy's answer, ahead of it.
+
+  For the static protocol: jit one step per branch (``update(...,
+  perturb=True)`` and ``perturb=False``) and pick it in Python with this
+  function, so no ``lax.cond`` is traced. It evaluates the policy's decision
+  (and :math:`\rho_t > 0`) at the state's step without changing the state;
+  the ``update`` that follows advances the policy's state as usual.
+
+  Args:
+    opt_state: the optimizer state holding one :class:`GSAMState`, e.g. a
+      chain's.
+    grads: the clean gradient of this step (read by
+      :func:`optax_gsam.gradient_norm_policy` only; pass the global gradient,
+      not a per-device one).
+    policy: the policy given to :func:`gsam` (``None``: the default).
+    rho: the ``rho`` given to :func:`gsam`.
+
+  Returns:
+    A bool scalar array.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, optax_gsam
+    >>> policy = optax_gsam.every_k_policy(3)
+    >>> tx = optax.chain(optax_gsam.sam(0.05, policy=policy), optax.sgd(0.1))
+    >>> state = tx.init(jnp.ones(2))
+    >>> bool(optax_gsam.full_step_due(state, jnp.ones(2), policy=policy, rho=0.05))
+    True
+  """
+  policy = policy_from_arguments(policy, None, DEFAULT_REUSE_WEIGHT)
+  state = _find_state(opt_state)
+  rho_hyper = step.hyperparams_at(rho, policy, state.count)
+  due, _ = step.decide(policy, state.policy_state, state.count, rho_hyper, grads)
+  return jnp.asarray(due)

@@ -6,6 +6,7 @@ import math
 import numbers
 from collections.abc import Hashable
 
+import jax
 import jax.numpy as jnp
 
 
@@ -57,4 +58,85 @@ def check_axis_name(axis_name) -> None:
   if not names or not all(isinstance(n, Hashable) and n is not None for n in names):
     raise ValueError(
       f"axis_name must be None, a hashable axis name or a tuple of them, got {axis_name!r}."
+    )
+
+
+def check_static_count(name: str, value, minimum: int) -> None:
+  """None or a static Python int >= ``minimum`` (never an array)."""
+  if value is None:
+    return
+  if isinstance(value, jax.Array):  # e.g. made an array by optax.inject_hyperparams.
+    raise ValueError(
+      f"{name} must be a static Python int; with optax.inject_hyperparams pass "
+      f"static_args=({name!r},)."
+    )
+  if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+    raise ValueError(f"{name} must be None or an int >= {minimum}, got {value!r}.")
+
+
+def _shape_mismatches(a, b) -> list[str]:
+  """'path: shape vs shape' for every leaf pair of two same-structure pytrees whose shapes differ."""
+  paths_a = jax.tree_util.tree_flatten_with_path(a)[0]
+  return [
+    f"{jax.tree_util.keystr(path)}: {jnp.shape(x)} vs {jnp.shape(y)}"
+    for (path, x), y in zip(paths_a, jax.tree.leaves(b), strict=True)
+    if jnp.shape(x) != jnp.shape(y)
+  ]
+
+
+def check_update_inputs(updates, params, correction=None) -> None:
+  """The gradient, the params and the stored direction of the state agree in structure and shapes."""
+  if params is None:
+    raise ValueError("gsam/sam need params: call tx.update(grads, opt_state, params, loss_fn=...).")
+  updates_structure, params_structure = jax.tree.structure(updates), jax.tree.structure(params)
+  if updates_structure != params_structure:
+    raise ValueError(
+      "The gradient and params pytrees differ in structure: "
+      f"{updates_structure} vs {params_structure}."
+    )
+  mismatches = _shape_mismatches(updates, params)
+  if mismatches:
+    raise ValueError(
+      "The gradient and params pytrees differ in leaf shapes (gradient vs params): "
+      + "; ".join(mismatches[:5])
+      + "."
+    )
+  if correction is None:
+    return
+  if jax.tree.structure(correction) != params_structure or _shape_mismatches(correction, params):
+    raise ValueError(
+      "The optimizer state was initialised for other params: its stored direction "
+      "(GSAMState.correction) does not match the structure and shapes of params. Call "
+      "tx.init(params) with these params, or restore the checkpoint into tx.init(params)."
+    )
+
+
+def _bound_axis_names() -> tuple:
+  """The named axes bound where this is traced (pmap, shard_map, named vmap); () if unknown."""
+  try:
+    from jax._src import core  # No public API lists them; fail open if it moves.
+
+    return tuple(core.unsafe_get_axis_names())
+  except Exception:
+    return ()
+
+
+def check_data_axis_is_set(axis_name) -> None:
+  """A transform with ``axis_name=None`` must not run per replica under a mapped axis.
+
+  There, each replica would perturb and decompose its own gradient and nothing
+  would average the outputs (a pmean of the clean gradient before ``update``
+  does not help: the perturbed gradients still differ), so replicas drift
+  apart silently.
+  """
+  if axis_name is not None:
+    return
+  names = _bound_axis_names()
+  if names:
+    raise ValueError(
+      f"gsam/sam run under the mapped axis {names[0]!r} (jax.pmap, jax.shard_map or a named "
+      "jax.vmap) with axis_name=None, so each replica would perturb and decompose its own "
+      "gradient and nothing would average the results: the replicas drift apart. Pass "
+      f"axis_name={names[0]!r} to gsam/sam and remove your own lax.pmean of the gradients "
+      "(the transform's output is averaged already). See docs/distributed.md."
     )

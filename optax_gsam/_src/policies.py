@@ -1,0 +1,331 @@
+"""When to take the full (perturbed) step: the cheap-step policies of gsam and sam.
+
+A sharpness-aware step costs two gradient evaluations. A policy decides, at
+each step, between the *full* step (perturb, evaluate the loss again,
+decompose) and a *cheap* step that needs only the clean gradient the caller
+already has. The cheap step either outputs the clean gradient, so the chain
+takes a plain base-optimizer step (``cheap="clean"``), or adds back the stored
+component of the last full step's output that is orthogonal to the clean
+gradient (``cheap="reuse"``, LookSAM).
+
+A policy is a :class:`SharpnessPolicy`: a small bundle of pure functions,
+shaped like optax's own ``(init, update)`` pairs. Its state lives in
+``GSAMState.policy_state``. Every policy except the default skips the
+perturbed pass where :math:`\\rho_t = 0` (a perturbation of radius 0 changes
+nothing), so "SAM only late in training" is a rho schedule that starts at 0.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Callable
+from typing import Any
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from optax_gsam._src.validation import check_non_negative
+from optax_gsam._src.validation import is_real_number
+
+CHEAP_CHOICES = ("reuse", "clean")
+DEFAULT_REUSE_WEIGHT = 0.7
+
+# (policy_state, count, squared clean-gradient norm or None) -> (full step due, new policy_state)
+DecideFn = Callable[[Any, jax.Array, jax.Array | None], tuple[jax.Array | bool, Any]]
+
+
+class SharpnessPolicy(NamedTuple):
+  """When :func:`optax_gsam.gsam` takes the full step, and what its cheap step does.
+
+  Attributes:
+    name: a short label for messages and tables.
+    init: ``() -> policy_state``, a pytree of arrays (``optax.EmptyState()``
+      when the policy keeps none).
+    decide: ``(policy_state, count, grad_sq_norm) -> (due, new_policy_state)``,
+      pure and jittable. ``due`` is a bool scalar array, or the Python bool
+      ``True`` for a policy that always takes the full step (no conditional is
+      traced then). ``grad_sq_norm`` is :math:`\\|g_c\\|^2`, averaged over the
+      data axis, when ``uses_grad_norm``; ``None`` otherwise.
+    cheap: ``"clean"`` (output :math:`g_c`) or ``"reuse"`` (output
+      :math:`g_c + \\lambda_t \\|g_c\\| v / \\|v\\|` with the stored direction
+      :math:`v`).
+    reuse_weight: :math:`\\lambda_t` of ``cheap="reuse"``, a float or schedule.
+    uses_grad_norm: whether ``decide`` reads :math:`\\|g_c\\|^2`.
+    skip_zero_rho: whether a step with :math:`\\rho_t = 0` takes the cheap
+      step (as ``cheap="clean"``: the clean gradient, which is exactly the
+      full step's output at radius 0).
+  """
+
+  name: str
+  init: Callable[[], Any]
+  decide: DecideFn
+  cheap: str = "clean"
+  reuse_weight: optax.ScalarOrSchedule = 0.7
+  uses_grad_norm: bool = False
+  skip_zero_rho: bool = True
+
+  @property
+  def always_full(self) -> bool:
+    """True where no step can be cheap: no conditional and no stored direction."""
+    return self.name == "every_step" and not self.skip_zero_rho
+
+  @property
+  def stores_direction(self) -> bool:
+    return self.cheap == "reuse"
+
+
+class GradientNormState(NamedTuple):
+  """Running statistics of :math:`\\|g_c\\|^2` kept by :func:`gradient_norm_policy`."""
+
+  mean: jax.Array
+  variance: jax.Array
+
+
+class RandomPolicyState(NamedTuple):
+  """The PRNG key of :func:`random_policy`, split once per decision."""
+
+  key: jax.Array
+
+
+def _check_cheap(cheap: str, reuse_weight) -> None:
+  if cheap not in CHEAP_CHOICES:
+    raise ValueError(f"cheap must be one of {CHEAP_CHOICES}, got {cheap!r}.")
+  if not callable(reuse_weight):
+    check_non_negative("reuse_weight", reuse_weight, schedule=True)
+
+
+def _value_at(value: optax.ScalarOrSchedule, count: jax.Array) -> jax.Array:
+  return jnp.asarray(value(count) if callable(value) else value)
+
+
+def every_step_policy(*, skip_zero_rho: bool = False) -> SharpnessPolicy:
+  r"""The full step at every step: plain GSAM/SAM (the default).
+
+  With ``skip_zero_rho=True``, steps where :math:`\rho_t = 0` output the clean
+  gradient :math:`g_c` without the perturbed pass (a perturbation of radius 0
+  leaves :math:`g = g_c`), so they cost what a base step costs. That needs a
+  ``lax.cond`` in the jitted step, which XLA's CPU backend runs slowly around
+  convolutions (jax-ml/jax#12868), so it is opt-in here; the static
+  ``update(..., perturb=False)`` does the same without a conditional.
+
+  Args:
+    skip_zero_rho: skip the perturbed pass where :math:`\rho_t = 0`.
+
+  Returns:
+    A :class:`SharpnessPolicy` for ``gsam(..., policy=...)``.
+
+  Example:
+    >>> import optax, optax_gsam
+    >>> late = optax.join_schedules(
+    ...   [optax.constant_schedule(0.0), optax.constant_schedule(0.05)], [750])
+    >>> tx = optax_gsam.sam(late, policy=optax_gsam.every_step_policy(skip_zero_rho=True))
+
+  References:
+    Zhou et al., `Sharpness-Aware Minimization Efficiently Selects Flatter
+    Minima Late in Training <https://arxiv.org/abs/2410.10373>`_, ICLR 2025.
+  """
+  if not isinstance(skip_zero_rho, bool):
+    raise ValueError(f"skip_zero_rho must be a bool, got {skip_zero_rho!r}.")
+  return SharpnessPolicy(
+    name="every_step",
+    init=optax.EmptyState,
+    decide=lambda state, count, grad_sq_norm: (True, state),
+    skip_zero_rho=skip_zero_rho,
+  )
+
+
+def every_k_policy(
+  k: int, *, reuse_weight: optax.ScalarOrSchedule = 0.7, cheap: str = "reuse"
+) -> SharpnessPolicy:
+  r"""The full step every ``k`` steps (LookSAM).
+
+  The full step is taken at steps :math:`t \equiv 0 \pmod k`. With
+  ``cheap="reuse"`` it stores :math:`v = g^{\perp g_c}`, the part of its output
+  orthogonal to the clean gradient, and the steps in between output
+
+  .. math::
+
+    g = g_c + \lambda_t \, \|g_c\| \, v / \|v\| .
+
+  ``gsam(..., perturb_every=k, reuse_weight=w)`` is this policy.
+
+  Args:
+    k: the period, an int >= 1.
+    reuse_weight: :math:`\lambda_t`, a float >= 0 or a schedule.
+    cheap: ``"reuse"`` (LookSAM) or ``"clean"`` (a plain base step in between).
+
+  Returns:
+    A :class:`SharpnessPolicy`.
+
+  Example:
+    >>> import optax_gsam
+    >>> tx = optax_gsam.gsam(0.05, 0.3, policy=optax_gsam.every_k_policy(5))
+
+  References:
+    Liu et al., `Towards Efficient and Scalable Sharpness-Aware Minimization
+    <https://arxiv.org/abs/2203.02714>`_, CVPR 2022.
+  """
+  if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1:
+    raise ValueError(f"k must be an int >= 1, got {k!r}.")
+  _check_cheap(cheap, reuse_weight)
+  return SharpnessPolicy(
+    name=f"every_{k}",
+    init=optax.EmptyState,
+    decide=lambda state, count, grad_sq_norm: (count % k == 0, state),
+    cheap=cheap,
+    reuse_weight=reuse_weight,
+  )
+
+
+def gradient_norm_policy(
+  threshold: optax.ScalarOrSchedule = 0.0,
+  *,
+  decay: float = 0.9,
+  cheap: str = "clean",
+  reuse_weight: optax.ScalarOrSchedule = 0.7,
+) -> SharpnessPolicy:
+  r"""The full step where the clean gradient is large for its recent history (AE-SAM).
+
+  With :math:`s_t = \|g_c\|^2` (averaged over the data axis), the policy keeps
+  exponential moving estimates of its mean and variance,
+
+  .. math::
+
+    \mu_t = \delta \mu_{t-1} + (1 - \delta) s_t, \qquad
+    \sigma_t^2 = \delta \sigma_{t-1}^2 + (1 - \delta)(s_t - \mu_t)^2,
+
+  (from :math:`\mu_{-1} = \sigma_{-1}^2 = 0`) and takes the full step when
+  :math:`s_t \ge \mu_t + c_t \sigma_t`: a large gradient norm signals a sharp
+  region. The paper raises :math:`c_t` linearly from -1 to 1 over training
+  (``threshold=optax.linear_schedule(-1.0, 1.0, num_steps)``), so SAM is used
+  often early and rarely late. A non-finite :math:`s_t` leaves the statistics
+  unchanged. ``cheap="reuse"`` gives AE-LookSAM.
+
+  Args:
+    threshold: :math:`c_t`, a float or a schedule.
+    decay: :math:`\delta` in [0, 1).
+    cheap: ``"clean"`` (AE-SAM) or ``"reuse"`` (AE-LookSAM).
+    reuse_weight: :math:`\lambda_t` of ``cheap="reuse"``.
+
+  Returns:
+    A :class:`SharpnessPolicy` with state :class:`GradientNormState`.
+
+  Example:
+    >>> import optax, optax_gsam
+    >>> policy = optax_gsam.gradient_norm_policy(optax.linear_schedule(-1.0, 1.0, 1000))
+    >>> tx = optax.chain(optax_gsam.sam(0.05, policy=policy), optax.sgd(0.1))
+
+  References:
+    Jiang et al., `An Adaptive Policy to Employ Sharpness-Aware Minimization
+    <https://arxiv.org/abs/2304.14647>`_, ICLR 2023.
+  """
+  if not callable(threshold) and not is_real_number(threshold):
+    raise ValueError(f"threshold must be a float or a schedule, got {threshold!r}.")
+  if not is_real_number(decay) or not 0 <= decay < 1:
+    raise ValueError(f"decay must be a float in [0, 1), got {decay!r}.")
+  _check_cheap(cheap, reuse_weight)
+
+  def init():
+    zero = jnp.zeros([], jnp.float32)
+    return GradientNormState(mean=zero, variance=zero)
+
+  def decide(state, count, grad_sq_norm):
+    signal = grad_sq_norm.astype(jnp.float32)
+    mean = decay * state.mean + (1 - decay) * signal
+    variance = decay * state.variance + (1 - decay) * (signal - mean) ** 2
+    due = signal >= mean + _value_at(threshold, count) * jnp.sqrt(variance)
+    finite = jnp.isfinite(signal)
+    new_state = GradientNormState(
+      mean=jnp.where(finite, mean, state.mean), variance=jnp.where(finite, variance, state.variance)
+    )
+    return due, new_state
+
+  return SharpnessPolicy(
+    name="gradient_norm",
+    init=init,
+    decide=decide,
+    cheap=cheap,
+    reuse_weight=reuse_weight,
+    uses_grad_norm=True,
+  )
+
+
+def random_policy(
+  probability: optax.ScalarOrSchedule,
+  *,
+  key: jax.Array,
+  cheap: str = "clean",
+  reuse_weight: optax.ScalarOrSchedule = 0.7,
+) -> SharpnessPolicy:
+  r"""The full step with probability :math:`p_t` (randomized sharpness-aware training).
+
+  Each step draws :math:`u_t \sim U[0, 1)` from a key kept in the state and
+  takes the full step when :math:`u_t < p_t`. The expected cost is
+  :math:`1 + \bar p` gradient evaluations a step. The key is split once per
+  step on every replica alike, so all devices take the same branch.
+
+  Args:
+    probability: :math:`p_t` in [0, 1], a float or a schedule.
+    key: the PRNG key the draws start from (``jax.random.key(seed)``).
+    cheap: ``"clean"`` (the paper: a plain base step) or ``"reuse"``.
+    reuse_weight: :math:`\lambda_t` of ``cheap="reuse"``.
+
+  Returns:
+    A :class:`SharpnessPolicy` with state :class:`RandomPolicyState`.
+
+  Example:
+    >>> import jax, optax_gsam
+    >>> policy = optax_gsam.random_policy(0.3, key=jax.random.key(0))
+    >>> tx = optax_gsam.sam(0.05, policy=policy)
+
+  References:
+    Zhao et al., `Randomized Sharpness-Aware Training for Boosting
+    Computational Efficiency in Deep Learning <https://arxiv.org/abs/2203.09962>`_, 2022.
+  """
+  if not callable(probability):
+    if not is_real_number(probability):
+      raise ValueError(f"probability must be a float in [0, 1] or a schedule, got {probability!r}.")
+    if not 0 <= probability <= 1:
+      raise ValueError(f"probability must be in [0, 1], got {probability!r}.")
+  if not isinstance(key, jax.Array):
+    raise ValueError(f"key must be a jax PRNG key (jax.random.key(seed)), got {key!r}.")
+  _check_cheap(cheap, reuse_weight)
+
+  def decide(state, count, grad_sq_norm):
+    key, draw = jax.random.split(state.key)
+    due = jax.random.uniform(draw) < _value_at(probability, count)
+    return due, RandomPolicyState(key=key)
+
+  return SharpnessPolicy(
+    name="random",
+    init=lambda: RandomPolicyState(key=key),
+    decide=decide,
+    cheap=cheap,
+    reuse_weight=reuse_weight,
+  )
+
+
+def policy_from_arguments(
+  policy: SharpnessPolicy | None, perturb_every: int | None, reuse_weight
+) -> SharpnessPolicy:
+  """The policy of gsam's arguments: ``policy=``, or the legacy ``perturb_every``/``reuse_weight``."""
+  if not callable(reuse_weight):
+    check_non_negative("reuse_weight", reuse_weight, schedule=True)
+  if policy is None:
+    if perturb_every is not None and perturb_every > 1:
+      return every_k_policy(perturb_every, reuse_weight=reuse_weight)
+    return every_step_policy()
+  if not isinstance(policy, SharpnessPolicy):
+    raise ValueError(
+      "policy must be a SharpnessPolicy (e.g. optax_gsam.every_k_policy(5)), "
+      f"got {type(policy).__name__}."
+    )
+  default_weight = isinstance(reuse_weight, float) and reuse_weight == DEFAULT_REUSE_WEIGHT
+  if perturb_every is not None or not default_weight:
+    raise ValueError(
+      "Pass either policy= or perturb_every=/reuse_weight=, not both: "
+      "policy=optax_gsam.every_k_policy(k, reuse_weight=w) is perturb_every=k, reuse_weight=w."
+    )
+  return policy
