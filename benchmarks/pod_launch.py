@@ -8,19 +8,29 @@ cores, 8 hosts)::
          --global-batch 4096 --steps 50"
 
 and, with ``--cpu-devices 8``, on one machine with simulated devices (which is
-how the tests run it). Each host:
+how the tests run it). On one machine it also runs as several processes of
+JAX's multi-process runtime, the pod's own code path with real cross-process
+collectives (gloo)::
 
-1. calls ``jax.distributed.initialize()`` (``--multihost``; on Cloud TPU it
-   discovers the coordinator itself);
+    python -m optax_gsam.launch --local-processes 2 --devices-per-process 4 -- \
+      benchmarks/pod_launch.py --multihost --global-batch 16 --steps 3
+
+Each host:
+
+1. calls ``jax.distributed.initialize`` (``--multihost``) through
+   ``optax_gsam.launch.initialize``: with ``--coordinator``,
+   ``--num-processes`` and ``--process-id``, or the variables the launcher
+   sets, or, with neither, JAX's own detection (Cloud TPU, SLURM, Open MPI);
 2. builds one global mesh over ``jax.devices()`` with a single ``data`` axis;
-3. makes its own share of the global batch (synthetic data here; a real input
-   pipeline reads this host's shard) and assembles the global array with
-   ``jax.make_array_from_process_local_data``;
+3. makes its own share of the global batch (synthetic data here, example ``i``
+   drawn from seed ``i`` so the batch is the same for any number of hosts; a
+   real input pipeline reads this host's shard) and assembles the global array
+   with ``jax.make_array_from_process_local_data``;
 4. runs the GSAM train step under ``optax_gsam.data_parallel``: every core
    perturbs with its own gradient (the paper's m-sharpness setting) and the
    transform averages the GSAM gradients, so params stay replicated.
 
-Process 0 prints the step time and writes ``--out`` (JSON).
+Process 0 prints each step's loss and the step time, and writes ``--out`` (JSON).
 """
 
 from __future__ import annotations
@@ -32,13 +42,21 @@ import sys
 import time
 
 import jax
+import numpy as np
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--multihost", action="store_true", help="call jax.distributed.initialize")
-  parser.add_argument("--cpu-devices", type=int, default=0, help="simulate N CPU devices")
+  parser.add_argument(
+    "--coordinator", default=None, metavar="HOST:PORT", help="process 0's address"
+  )
+  parser.add_argument("--num-processes", type=int, default=None, metavar="N")
+  parser.add_argument("--process-id", type=int, default=None, metavar="I")
+  parser.add_argument("--cpu-devices", type=int, default=0, help="simulate N CPU devices (each)")
   parser.add_argument("--model", choices=("vit_tiny", "vit_b32"), default="vit_tiny")
+  parser.add_argument("--width", type=int, default=48, help="vit_tiny's width (3 heads)")
+  parser.add_argument("--depth", type=int, default=2, help="vit_tiny's number of blocks")
   parser.add_argument("--global-batch", type=int, default=64)
   parser.add_argument("--steps", type=int, default=5)
   parser.add_argument("--rho-max", type=float, default=0.6)
@@ -50,15 +68,37 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   return parser.parse_args(argv)
 
 
+def host_rows(sharding: jax.sharding.Sharding, global_batch: int) -> range:
+  """The rows of a ``[global_batch, ...]`` array that this process's devices hold."""
+  rows = sorted(
+    index[0].indices(global_batch)[:2]
+    for index in sharding.addressable_devices_indices_map((global_batch,)).values()
+  )
+  start, stop = rows[0][0], rows[-1][1]
+  if sum(b - a for a, b in set(rows)) != stop - start:
+    raise ValueError(f"this process's rows {rows} are not one contiguous block")
+  return range(start, stop)
+
+
+def example(index: int, image_size: int, classes: int) -> tuple:
+  """Synthetic example ``index``: the same on every host, whatever the number of hosts."""
+  rng = np.random.default_rng(index)
+  image = rng.normal(size=(image_size, image_size, 3)).astype(np.float32)
+  return image, int(rng.integers(0, classes))
+
+
 def main(argv: list[str] | None = None) -> dict:
   args = parse_args(argv)
   if args.cpu_devices and jax.config.jax_num_cpu_devices != args.cpu_devices:
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", args.cpu_devices)
   if args.multihost:
-    jax.distributed.initialize()
+    import optax_gsam.launch
 
-  import numpy as np
+    if args.cpu_devices:  # CPU processes talk through gloo (JAX's default has changed)
+      jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    optax_gsam.launch.initialize(args.coordinator, args.num_processes, args.process_id)
+
   import optax
 
   import optax_gsam
@@ -73,7 +113,8 @@ def main(argv: list[str] | None = None) -> dict:
       1000,
     )
   else:
-    model, image_size, classes = ViT(patch=4, width=48, depth=2, heads=3), 32, 10
+    model = ViT(patch=4, width=args.width, depth=args.depth, heads=3)
+    image_size, classes = 32, 10
 
   devices = jax.devices()
   if args.global_batch % len(devices):
@@ -101,18 +142,23 @@ def main(argv: list[str] | None = None) -> dict:
 
   train_step = optax_gsam.data_parallel(per_device_step, mesh, donate_argnums=(0, 1))
 
-  # Each host makes (or reads) only its own share of the global batch.
-  local_batch = args.global_batch // jax.process_count()
-  rng = np.random.default_rng(jax.process_index())
-  local_images = rng.normal(size=(local_batch, image_size, image_size, 3)).astype(np.float32)
-  local_labels = rng.integers(0, classes, local_batch).astype(np.int32)
+  # Each host makes (or reads) only its own rows of the global batch.
+  rows = host_rows(batch_sharding, args.global_batch)
+  examples = [example(i, image_size, classes) for i in rows]
+  local_images = np.stack([image for image, _ in examples])
+  local_labels = np.array([label for _, label in examples], np.int32)
   batch = (
-    jax.make_array_from_process_local_data(batch_sharding, local_images),
-    jax.make_array_from_process_local_data(batch_sharding, local_labels),
+    jax.make_array_from_process_local_data(
+      batch_sharding, local_images, (args.global_batch, *local_images.shape[1:])
+    ),
+    jax.make_array_from_process_local_data(batch_sharding, local_labels, (args.global_batch,)),
   )
 
   params = model.init(jax.random.key(0), np.zeros((1, image_size, image_size, 3), np.float32))
   opt_state = tx.init(params)
+  # Replicated over the global mesh from the start, as the step returns them: one compilation.
+  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  params, opt_state = jax.device_put((params, opt_state), replicated)
   start = time.perf_counter()
   params, opt_state, loss = train_step(params, opt_state, batch)
   loss.block_until_ready()
@@ -124,6 +170,9 @@ def main(argv: list[str] | None = None) -> dict:
     loss.block_until_ready()
     times.append(time.perf_counter() - start)
     losses.append(float(loss))
+  if jax.process_index() == 0:
+    for i, value in enumerate(losses):
+      print(f"step {i + 1} loss {value:.6f}")
 
   result = {
     "processes": jax.process_count(),
