@@ -1,0 +1,276 @@
+"""Cheap-step policies against references written from their formulas (numpy, float64)."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from _problems import flatten
+from _problems import make_problem
+from _problems import unflatten
+from jax.sharding import PartitionSpec as P
+
+import optax_gsam
+
+EPS = 1e-12
+LR = 0.05
+
+
+def gsam_direction(w, g_c, grad_np, like, rho, alpha):
+  """GSAM's output (minimize_fp) from the paper's formulas."""
+  e = rho * g_c / np.linalg.norm(g_c)
+  g_p = flatten(grad_np(unflatten(w + e, like)))
+  return g_p - alpha * (g_c - g_c @ g_p / (g_p @ g_p) * g_p)
+
+
+def reference_run(params, grad_np, *, rho_at, alpha, due_at, cheap, weight, steps):
+  """Plain SGD on the policy's output; ``due_at(t, g_c)`` is the policy's decision."""
+  w, v, full = flatten(params), np.zeros(flatten(params).shape), 0
+  for t in range(steps):
+    g_c = flatten(grad_np(unflatten(w, params)))
+    rho = rho_at(t)
+    if due_at(t, g_c) and rho > 0:
+      g = gsam_direction(w, g_c, grad_np, params, rho, alpha)
+      v = g - g @ g_c / (g_c @ g_c) * g_c
+      full += 1
+    elif cheap == "reuse" and rho > 0 and np.linalg.norm(v) > 0:
+      g = g_c + weight * np.linalg.norm(g_c) * v / np.linalg.norm(v)
+    else:
+      g = g_c
+    w = w - LR * g
+  return w, full
+
+
+def run(tx, params, loss_jax, steps, perturb_fn=None):
+  """``steps`` jitted steps; ``perturb_fn(state, grads)`` picks the static branch if given."""
+
+  def step(p, state, perturb=None):
+    grads = jax.grad(loss_jax)(p)
+    updates, state = tx.update(grads, state, p, loss_fn=loss_jax, perturb=perturb)
+    return optax.apply_updates(p, updates), state
+
+  p = jax.tree.map(jnp.asarray, params)
+  state = tx.init(p)
+  jitted = {b: jax.jit(functools.partial(step, perturb=b)) for b in (None, True, False)}
+  for _ in range(steps):
+    branch = None if perturb_fn is None else bool(perturb_fn(state, jax.grad(loss_jax)(p)))
+    p, state = jitted[branch](p, state)
+  return p, state
+
+
+def ae_sam_decisions(threshold_at, decay):
+  """AE-SAM's rule: update the running mean and variance of ||g||^2, then compare."""
+  stats = {"mean": 0.0, "var": 0.0}
+
+  def due_at(t, g_c):
+    s = float(g_c @ g_c)
+    stats["mean"] = decay * stats["mean"] + (1 - decay) * s
+    stats["var"] = decay * stats["var"] + (1 - decay) * (s - stats["mean"]) ** 2
+    return s >= stats["mean"] + threshold_at(t) * np.sqrt(stats["var"])
+
+  return due_at
+
+
+def random_decisions(key, probability_at):
+  """A uniform draw per step from a key split once per step."""
+  state = {"key": key}
+
+  def due_at(t, g_c):
+    state["key"], draw = jax.random.split(state["key"])
+    return float(jax.random.uniform(draw)) < probability_at(t)
+
+  return due_at
+
+
+STEPS = 12
+THRESHOLD = optax.linear_schedule(-1.0, 0.0, STEPS)
+
+
+def policy_cases():
+  key = jax.random.key(3)
+  probability = optax.linear_schedule(0.8, 0.2, STEPS)
+  return {
+    "every_3_reuse": (
+      optax_gsam.every_k_policy(3, reuse_weight=0.6),
+      lambda: lambda t, g: t % 3 == 0,
+      "reuse",
+    ),
+    "every_2_clean": (
+      optax_gsam.every_k_policy(2, cheap="clean"),
+      lambda: lambda t, g: t % 2 == 0,
+      "clean",
+    ),
+    "ae_sam": (
+      optax_gsam.gradient_norm_policy(THRESHOLD, decay=0.8),
+      lambda: ae_sam_decisions(lambda t: float(THRESHOLD(t)), 0.8),
+      "clean",
+    ),
+    "ae_looksam": (
+      optax_gsam.gradient_norm_policy(-0.6, decay=0.5, cheap="reuse", reuse_weight=0.6),
+      lambda: ae_sam_decisions(lambda t: -0.6, 0.5),
+      "reuse",
+    ),
+    "random": (
+      optax_gsam.random_policy(probability, key=key),
+      lambda: random_decisions(key, lambda t: float(probability(t))),
+      "clean",
+    ),
+  }
+
+
+RHO_CASES = {
+  "constant": lambda t: 0.2,
+  "late_phase": lambda t: 0.0 if t < 5 else 0.2,
+}
+
+
+@pytest.mark.parametrize("rho_case", list(RHO_CASES))
+@pytest.mark.parametrize("name", list(policy_cases()))
+def test_policy_matches_float64_reference(name, rho_case):
+  policy, due_factory, cheap = policy_cases()[name]
+  rho_at = RHO_CASES[rho_case]
+  rho = 0.2 if rho_case == "constant" else (lambda count: jnp.where(count < 5, 0.0, 0.2))
+  with jax.enable_x64(True):
+    params, loss_jax, _, grad_np = make_problem(seed=21)
+    tx = optax.chain(optax_gsam.gsam(rho, 0.3, policy=policy), optax.sgd(LR))
+    p, state = run(tx, params, loss_jax, STEPS)
+    expected, full = reference_run(
+      params,
+      grad_np,
+      rho_at=rho_at,
+      alpha=0.3,
+      due_at=due_factory(),
+      cheap=cheap,
+      weight=0.6,
+      steps=STEPS,
+    )
+    np.testing.assert_allclose(flatten(p), expected, rtol=1e-10, atol=1e-12)
+    assert int(optax.tree.get(state, "full_steps")) == full
+    assert 0 < full < STEPS  # both branches ran, so the comparison sees the policy
+
+
+@pytest.mark.parametrize("name", list(policy_cases()))
+def test_static_branches_driven_by_full_step_due_equal_the_cond(name):
+  policy, _, _ = policy_cases()[name]
+  rho = lambda count: jnp.where(count < 3, 0.0, 0.2)
+  params, loss_jax, _, _ = make_problem(seed=22)
+  params = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), params)
+  tx = optax.chain(optax_gsam.gsam(rho, 0.3, policy=policy), optax.sgd(LR))
+  due = jax.jit(functools.partial(optax_gsam.full_step_due, policy=policy, rho=rho))
+  a, state_a = run(tx, params, loss_jax, 8)
+  b, state_b = run(tx, params, loss_jax, 8, perturb_fn=due)
+  jax.tree.map(
+    lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-7),
+    without_keys((a, state_a)),
+    without_keys((b, state_b)),
+  )
+
+
+def without_keys(tree):
+  """PRNG keys as their raw data, which numpy can compare."""
+  is_key = lambda x: jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
+  return jax.tree.map(lambda x: jax.random.key_data(x) if is_key(x) else x, tree)
+
+
+def test_perturb_every_is_the_every_k_policy():
+  params, loss_jax, _, _ = make_problem(seed=23)
+  legacy = optax_gsam.gsam(0.1, 0.2, perturb_every=3, reuse_weight=0.5)
+  policy = optax_gsam.gsam(0.1, 0.2, policy=optax_gsam.every_k_policy(3, reuse_weight=0.5))
+  a, state_a = run(optax.chain(legacy, optax.sgd(LR)), params, loss_jax, 7)
+  b, state_b = run(optax.chain(policy, optax.sgd(LR)), params, loss_jax, 7)
+  jax.tree.map(
+    np.testing.assert_array_equal, without_keys((a, state_a)), without_keys((b, state_b))
+  )
+
+
+def count_conds(tx, params, loss_jax, **kwargs):
+  def step(p, state):
+    return tx.update(jax.grad(loss_jax)(p), state, p, loss_fn=loss_jax, **kwargs)
+
+  return str(jax.make_jaxpr(step)(params, tx.init(params))).count("cond[")
+
+
+def test_skipping_zero_rho_is_opt_in_for_the_default_policy():
+  params, loss_jax, _, _ = make_problem(seed=24)
+  params = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), params)
+  late = lambda count: jnp.where(count < 2, 0.0, 0.1)
+  default = count_conds(optax_gsam.sam(late), params, loss_jax)
+  skipping = optax_gsam.sam(late, policy=optax_gsam.every_step_policy(skip_zero_rho=True))
+  assert count_conds(skipping, params, loss_jax) == default + 1  # the full/clean choice
+  # The static clean branch calls no loss function at all: no perturbed pass is traced.
+  static_clean = count_conds(skipping, params, loss_jax, perturb=False)
+  assert static_clean < default
+  state = skipping.init(params)
+  grads = jax.grad(loss_jax)(params)
+  updates, state = skipping.update(grads, state, params, loss_fn=loss_jax)
+  jax.tree.map(np.testing.assert_array_equal, updates, grads)  # rho_0 == 0: the clean gradient
+  assert int(state.full_steps) == 0 and int(state.count) == 1
+  # A static zero rho is decided in Python: no conditional at all.
+  zero = optax_gsam.sam(0.0, policy=optax_gsam.every_step_policy(skip_zero_rho=True))
+  assert count_conds(zero, params, loss_jax) < default
+
+
+def test_policies_agree_across_devices_and_count_the_same_steps():
+  """Per-device perturbation under shard_map: one decision for all devices."""
+  params, loss_jax, _, _ = make_problem(seed=25, n=16)
+  params = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), params)
+  x = jax.random.normal(jax.random.key(0), (16, 5))
+  mesh = jax.make_mesh((8,), ("data",))
+  for policy in (
+    optax_gsam.gradient_norm_policy(0.0, decay=0.5),
+    optax_gsam.random_policy(0.5, key=jax.random.key(1)),
+  ):
+    tx = optax.chain(optax_gsam.gsam(0.1, 0.3, axis_name="data", policy=policy), optax.sgd(LR))
+
+    def step(p, state, xb, tx=tx):
+      local = lambda q: loss_jax(q) + jnp.mean((xb @ q["w"]) ** 2)
+      updates, state = tx.update(jax.grad(local)(p), state, p, loss_fn=local)
+      full = optax.tree.get(state, "full_steps")
+      return optax.apply_updates(p, updates), state, jax.lax.all_gather(full, "data")
+
+    data_parallel = optax_gsam.data_parallel(
+      step, mesh, axis_name="data", batch_argnums=(2,), out_specs=(P(), P(), P())
+    )
+    p, state = params, tx.init(params)
+    for _ in range(6):
+      p, state, full_per_device = data_parallel(p, state, x)
+      assert len(set(np.asarray(full_per_device).tolist())) == 1, policy.name
+    assert 0 < int(optax.tree.get(state, "full_steps")) <= 6
+
+
+BAD_POLICIES = {
+  "k": (lambda: optax_gsam.every_k_policy(0), "k must be"),
+  "k_float": (lambda: optax_gsam.every_k_policy(2.0), "k must be"),
+  "cheap": (lambda: optax_gsam.every_k_policy(2, cheap="skip"), "cheap must be"),
+  "weight": (lambda: optax_gsam.every_k_policy(2, reuse_weight=-1.0), "reuse_weight"),
+  "decay": (lambda: optax_gsam.gradient_norm_policy(0.0, decay=1.0), "decay"),
+  "threshold": (lambda: optax_gsam.gradient_norm_policy("high"), "threshold"),
+  "probability": (
+    lambda: optax_gsam.random_policy(1.5, key=jax.random.key(0)),
+    "probability",
+  ),
+  "key": (lambda: optax_gsam.random_policy(0.5, key=0), "key must be"),
+  "skip": (lambda: optax_gsam.every_step_policy(skip_zero_rho=1), "skip_zero_rho"),
+  "policy_type": (lambda: optax_gsam.gsam(0.1, policy="every_5"), "policy must be"),
+  "policy_and_perturb_every": (
+    lambda: optax_gsam.gsam(0.1, perturb_every=2, policy=optax_gsam.every_k_policy(2)),
+    "either policy= or perturb_every",
+  ),
+  "policy_and_reuse_weight": (
+    lambda: optax_gsam.sam(0.1, reuse_weight=0.5, policy=optax_gsam.every_k_policy(2)),
+    "either policy= or perturb_every",
+  ),
+  "gradient_norm_groups": (
+    lambda: optax_gsam.gsam(0.1, num_groups=2, policy=optax_gsam.gradient_norm_policy()),
+    "num_groups",
+  ),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_POLICIES))
+def test_bad_policy_arguments_raise_naming_them(name):
+  build, match = BAD_POLICIES[name]
+  with pytest.raises(ValueError, match=match):
+    build()
