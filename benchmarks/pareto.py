@@ -122,6 +122,8 @@ TUNE_SEEDS = 3
 COST_LIMIT = 1.15  # target (a)
 LATE_LIMIT = 1.05  # target (b)
 OVERHEAD_LIMIT = 1.03  # target (c)
+# --quick compiles with LLVM's optimizations off: half the compile time, slower steps.
+QUICK_COMPILER_OPTIONS = {"xla_backend_optimization_level": 0}
 
 
 # ----------------------------------------------------------------------------- models and data
@@ -130,7 +132,9 @@ OVERHEAD_LIMIT = 1.03  # target (c)
 class PatchConv1D(nn.Module):
   """A 1-D convolution as patch extraction + ``nn.Dense``: ``nn.Conv``'s function, matmuls only.
 
-  Input ``(batch, length, channels)``; zero padding ``padding`` on both sides.
+  Input ``(batch, length, channels)``; zero padding ``padding`` on both sides. With
+  ``kernel = conv_kernel.reshape(kernel_size * channels, features)`` it equals
+  ``nn.Conv(features, (kernel_size,), strides=stride, padding=padding)``.
   """
 
   features: int
@@ -140,11 +144,14 @@ class PatchConv1D(nn.Module):
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
-    batch, length, channels = x.shape
+    length = x.shape[1]
     x = jnp.pad(x, ((0, 0), (self.padding, self.padding), (0, 0)))
     out = (length + 2 * self.padding - self.kernel_size) // self.stride + 1
-    index = np.arange(out)[:, None] * self.stride + np.arange(self.kernel_size)[None, :]
-    patches = x[:, index, :].reshape(batch, out, self.kernel_size * channels)
+    span = self.stride * (out - 1) + 1
+    # Strided slices, not a gather: a gather's gradient is a scatter, slow on CPU.
+    patches = jnp.concatenate(
+      [x[:, j : j + span : self.stride] for j in range(self.kernel_size)], axis=-1
+    )  # (batch, out, kernel_size * channels), kernel-offset major like nn.Conv's kernel
     return nn.Dense(self.features)(patches)
 
 
@@ -459,7 +466,12 @@ class Run:
 
 
 def run_batch(
-  contender: Contender, task: Task, runs: list[Run], *, validation: bool
+  contender: Contender,
+  task: Task,
+  runs: list[Run],
+  *,
+  validation: bool,
+  compiler_options: dict | None = None,
 ) -> tuple[list[dict], int]:
   """Trains every run of one contender together; one metrics dict per run, and the steps.
 
@@ -483,7 +495,8 @@ def run_batch(
   train, num_steps = make_train(contender, task, x_train, x_eval)
   as_array = lambda field: jnp.asarray([getattr(r, field) for r in runs], jnp.float32)
   keys = jax.vmap(jax.random.key)(jnp.asarray([r.seed for r in runs]))
-  out = train(as_array("lr"), as_array("rho"), as_array("alpha"), keys, y_train, y_eval)
+  inputs = (as_array("lr"), as_array("rho"), as_array("alpha"), keys, y_train, y_eval)
+  out = train.lower(*inputs).compile(compiler_options)(*inputs)
   out = jax.tree.map(np.asarray, out)
   return [{k: v[i].item() for k, v in out.items()} for i in range(len(runs))], num_steps
 
@@ -491,7 +504,9 @@ def run_batch(
 # ----------------------------------------------------------------------------- tuning
 
 
-def tune(task: Task, contenders: dict[str, Contender], seeds: int) -> tuple[dict, dict]:
+def tune(
+  task: Task, contenders: dict[str, Contender], seeds: int, compiler_options: dict | None = None
+) -> tuple[dict, dict]:
   """Per noise level: the base lr, then SAM's, GSAM's (and momentum-SAM's) rho at that lr.
 
   Returns the chosen values (``{noise: {"base"|"sam"|"gsam"|"msam": {"lr", "rho"}}}``) and
@@ -506,7 +521,9 @@ def tune(task: Task, contenders: dict[str, Contender], seeds: int) -> tuple[dict
       for lr, rho in points
       for s in range(seeds)
     ]
-    metrics, _ = run_batch(contenders[name], task, runs, validation=True)
+    metrics, _ = run_batch(
+      contenders[name], task, runs, validation=True, compiler_options=compiler_options
+    )
     best: dict[float, dict] = {}
     for i in range(0, len(runs), seeds):
       run = runs[i]
@@ -564,6 +581,7 @@ def compile_step(
   x: jax.Array,
   y: jax.Array,
   perturb: bool | None,
+  compiler_options: dict | None = None,
 ) -> Timed:
   """One contender's train step with its branch fixed statically, compiled and warmed up."""
 
@@ -575,7 +593,7 @@ def compile_step(
 
   params = jax.tree.map(jnp.copy, params)
   opt_state = tx.init(params)
-  compiled = jax.jit(step).lower(params, opt_state, x, y).compile()
+  compiled = jax.jit(step).lower(params, opt_state, x, y).compile(compiler_options)
   timed = Timed(compiled, params, opt_state, step_cost.hlo_stats(compiled)["flops"])
   timed.run(x, y, 2)
   return timed
@@ -611,6 +629,7 @@ def branch_costs(
   *,
   rounds: int,
   steps: int,
+  compiler_options: dict | None = None,
 ) -> dict[str, dict[str, float]]:
   """Per ``"contender/branch"``: the static step's median ratio to the base step (and ms, flops)."""
   data = task.load(0.0, 0)
@@ -618,7 +637,8 @@ def branch_costs(
   y = jnp.asarray(data.y_train[: task.batch_size])
   params = task.model.init(jax.random.key(0), x[:1])
   base = optax.adamw(1e-3, weight_decay=WEIGHT_DECAY)
-  timed = {"base": compile_step(task.model, base, CONTENDERS["base"], params, x, y, None)}
+  compile_ = functools.partial(compile_step, compiler_options=compiler_options)
+  timed = {"base": compile_(task.model, base, CONTENDERS["base"], params, x, y, None)}
   for name, contender in contenders.items():
     hp = hparams[contender.hparams]
     tx = contender.make(
@@ -626,7 +646,7 @@ def branch_costs(
     )
     for branch in contender.branches:
       perturb = None if branch is None else branch == "full"
-      timed[f"{name}/{branch}"] = compile_step(task.model, tx, contender, params, x, y, perturb)
+      timed[f"{name}/{branch}"] = compile_(task.model, tx, contender, params, x, y, perturb)
   return interleaved_ratios(timed, "base", x, y, rounds=rounds, steps=steps)
 
 
@@ -654,7 +674,12 @@ def step_cost_of(
 
 
 def vit_overhead(
-  contenders: dict[str, Contender], *, smoke: bool, rounds: int, steps: int
+  contenders: dict[str, Contender],
+  *,
+  smoke: bool,
+  rounds: int,
+  steps: int,
+  compiler_options: dict | None = None,
 ) -> list[dict]:
   """On step_cost.py's ViT-tiny: each policy's cheap step (``perturb=False``) vs the base step."""
   workload = next(
@@ -667,13 +692,14 @@ def vit_overhead(
   params = workload.model.init(key_init, x[:1])
   base = step_cost.base_optimizer()
   hp = HParams(1e-3, step_cost.HParams.rho, 0.0, 1000, jax.random.key(0))
-  timed = {"base": compile_step(workload.model, base, CONTENDERS["base"], params, x, y, None)}
+  compile_ = functools.partial(compile_step, compiler_options=compiler_options)
+  timed = {"base": compile_(workload.model, base, CONTENDERS["base"], params, x, y, None)}
   cheap_kind = {}
   for name, contender in contenders.items():
     if "cheap" not in contender.branches:
       continue
     tx = contender.make(base, hp)
-    timed[name] = compile_step(workload.model, tx, contender, params, x, y, False)
+    timed[name] = compile_(workload.model, tx, contender, params, x, y, False)
     cheap_kind[name] = "reuse" if name.startswith("every-") else "clean"
   ratios = interleaved_ratios(timed, "base", x, y, rounds=rounds, steps=steps)
   return [
@@ -876,6 +902,7 @@ def main(argv: list[str] | None = None) -> dict:
   seeds = args.seeds or (2 if args.quick else 5)
   rounds = args.rounds or (2 if args.quick else 15)
   tune_enabled = not (args.quick or args.no_tune)
+  options = QUICK_COMPILER_OPTIONS if args.quick else None
   start = time.perf_counter()
 
   wanted = {n: c for n, c in CONTENDERS.items() if not args.contenders or n in args.contenders}
@@ -901,7 +928,7 @@ def main(argv: list[str] | None = None) -> dict:
     task = dataclasses.replace(task, noise_levels=noises)
     if tune_enabled:
       tuning = {**contenders, **{k: CONTENDERS[k] for k in ("base", "sam", "gsam")}}
-      chosen, sweeps[task.name] = tune(task, tuning, TUNE_SEEDS)
+      chosen, sweeps[task.name] = tune(task, tuning, TUNE_SEEDS, options)
     else:
       chosen = {n: DEFAULTS[task.name][n] for n in noises}
     tuned[task.name] = {str(n): v for n, v in chosen.items()}
@@ -914,7 +941,7 @@ def main(argv: list[str] | None = None) -> dict:
         hp = chosen[n][contender.hparams]
         alpha = GSAM_ALPHA if contender.hparams == "gsam" else 0.0
         runs += [Run(n, s, hp["lr"], hp["rho"], alpha) for s in range(seeds)]
-      out, num_steps = run_batch(contender, task, runs, validation=False)
+      out, num_steps = run_batch(contender, task, runs, validation=False, compiler_options=options)
       for run, m in zip(runs, out, strict=True):
         metrics[run.noise].setdefault(name, []).append(m)
       print(
@@ -928,6 +955,7 @@ def main(argv: list[str] | None = None) -> dict:
       num_steps,
       rounds=rounds,
       steps=5 if args.quick else 20,
+      compiler_options=options,
     )
     for n in noises:
       rows += summarize(task, n, contenders, metrics[n], costs, num_steps, chosen[n])
@@ -935,7 +963,11 @@ def main(argv: list[str] | None = None) -> dict:
   overhead = []
   if not args.no_vit:
     overhead = vit_overhead(
-      contenders, smoke=args.quick, rounds=rounds, steps=2 if args.quick else 10
+      contenders,
+      smoke=args.quick,
+      rounds=rounds,
+      steps=2 if args.quick else 10,
+      compiler_options=options,
     )
   checks = check_targets(rows, contenders, overhead)
   print(format_table(rows))

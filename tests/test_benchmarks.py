@@ -10,6 +10,9 @@ import math
 import sys
 from pathlib import Path
 
+import flax.linen as nn
+import jax
+import numpy as np
 import optax
 import pytest
 
@@ -94,3 +97,65 @@ def test_accelerator_script_refuses_the_cpu_and_plans_every_benchmark(tmp_path):
     source = (BENCHMARKS / f"{name}.py").read_text()
     for flag in (a for a in args if a.startswith("--")):
       assert f'"{flag}"' in source, (name, flag)  # each script accepts what it is given
+
+
+@pytest.fixture(scope="module")
+def pareto():
+  return _load("pareto")
+
+
+def test_pareto_smoke(pareto, tmp_path):
+  argv = ["--quick", "--datasets", "mnist1d", "--contenders", "adaptive", "--no-vit"]
+  argv += ["--out-dir", str(tmp_path), "--no-plot"]
+  result = pareto.main(argv)
+  saved = json.loads((tmp_path / "pareto_quick.json").read_text())
+  assert saved["rows"] == result["rows"]
+  [row] = saved["rows"]
+  assert (row["dataset"], row["noise"], row["contender"], row["seeds"]) == (
+    "mnist1d",
+    0.0,
+    "adaptive",
+    2,
+  )
+  assert 0.0 <= row["acc_mean"] <= 1.0 and row["acc_std"] >= 0
+  assert 0.0 < row["full_fraction"] < 1.0  # AE-SAM's c_t starts at -1: some steps are full
+  assert math.isfinite(row["step_cost"]) and row["step_cost"] > 0
+  assert 1.0 < row["flops_cost"] < 2.5  # deterministic: between a base and a SAM step
+  assert saved["targets"] == []  # no SAM row to compare with, no late-phase, no ViT
+  assert saved["machine"]["jax"]
+
+
+def test_pareto_step_cost_formula(pareto):
+  costs = {
+    "p/full": {"ratio": 2.0, "flops_ratio": 2.0},
+    "p/cheap": {"ratio": 1.1, "flops_ratio": 1.0},
+  }
+  cost = pareto.step_cost_of(pareto.CONTENDERS["adaptive"], costs, "p", 25.0, 100)
+  assert cost["step_cost"] == pytest.approx((25 * 2.0 + 75 * 1.1) / 100)
+  assert cost["flops_cost"] == pytest.approx(1.25)
+  assert pareto.step_cost_of(pareto.CONTENDERS["base"], costs, "base", 0.0, 100)["step_cost"] == 1
+
+
+def test_pareto_patch_convolution_is_a_convolution(pareto):
+  x = jax.random.normal(jax.random.key(0), (3, 40, 2))
+  conv = nn.Conv(7, (5,), strides=2, padding=1)
+  params = conv.init(jax.random.key(1), x)["params"]
+  patch = pareto.PatchConv1D(7, 5, stride=2, padding=1)
+  as_dense = {
+    "params": {"Dense_0": {"kernel": params["kernel"].reshape(10, 7), "bias": params["bias"]}}
+  }
+  np.testing.assert_allclose(patch.apply(as_dense, x), conv.apply({"params": params}, x), atol=1e-5)
+
+
+def test_pareto_data_and_schedules(pareto):
+  data = pareto.load_mnist1d(0.4, seed=0, num_samples=200)  # made locally, never downloaded
+  assert data.x_train.shape == (160, 40) and data.x_test.shape == (40, 40)
+  clean = pareto.load_mnist1d(0.0, seed=0, num_samples=200)
+  assert 0.2 < np.mean(data.y_train != clean.y_train) < 0.6
+  assert np.array_equal(data.y_test, clean.y_test)
+  rho = pareto.late_rho(0.1, 100)
+  assert float(rho(74)) == 0.0 and float(rho(75)) == pytest.approx(0.1)
+  for name in ("every-2", "every-5", "every-10", "adaptive", "random", "late-phase"):
+    assert name in pareto.available(pareto.CONTENDERS), name
+  for name, task in pareto.tasks("full").items():
+    assert set(pareto.DEFAULTS[name]) == set(task.noise_levels)
