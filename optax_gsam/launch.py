@@ -51,6 +51,8 @@ from collections.abc import Mapping
 from collections.abc import Sequence
 from typing import TextIO
 
+__all__ = ("free_port", "initialize", "launch", "main", "process_env")
+
 _TAIL_LINES = 20
 _POLL_S = 0.05
 

@@ -10,6 +10,7 @@ import pytest
 import optax_gsam
 import optax_gsam.big_vision
 import optax_gsam.flax
+import optax_gsam.launch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -17,6 +18,7 @@ PUBLIC_MODULES = {
   "optax_gsam": optax_gsam,
   "optax_gsam.flax": optax_gsam.flax,
   "optax_gsam.big_vision": optax_gsam.big_vision,
+  "optax_gsam.launch": optax_gsam.launch,
 }
 
 
