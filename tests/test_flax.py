@@ -18,6 +18,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from flax.linen import fp8_ops
 from flax.training import dynamic_scale as dynamic_scale_lib
 from flax.training import train_state as flax_train_state
 
@@ -624,3 +625,40 @@ def test_dynamic_scale_recipe_with_on_nonfinite_clean_and_apply_if_finite():
   assert_trees_close(state.params, big)
   assert float(state.dynamic_scale.scale) == 0.5
   assert int(optax.tree.get(state.opt_state, "count")) == 0
+
+
+# --- What loss_fn receives: fp8 overwrite-with-gradient collections --------------------------
+
+
+class Fp8Net(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return nn.Dense(3, dot_general_cls=fp8_ops.Fp8DotGeneral)(x)
+
+
+def test_fp8_loss_fn_receives_params_only_and_clean_fp8_statistics_are_stored():
+  owg = fp8_ops.OVERWRITE_WITH_GRADIENT
+  x, y = data()
+  model = Fp8Net()
+  state = TrainState.create(
+    apply_fn=model.apply, params=model.init(jax.random.key(0), x), tx=TX_GSAM
+  )
+
+  def loss_of(variables):
+    return optax.softmax_cross_entropy(state.apply_fn(variables, x), y).mean()
+
+  grads = jax.grad(loss_of)(state.params)
+  received = []
+
+  def loss_fn(params):  # the docs' recipe: put back the fp8 collection from before the step
+    received.append(jax.tree.structure(params))
+    return loss_of({"params": params, owg: state.params[owg]})
+
+  new_state = jax.jit(lambda s, g: s.apply_gradients(grads=g, loss_fn=loss_fn))(state, grads)
+  assert received == [jax.tree.structure(state.params["params"])]
+  # The clean pass's fp8 statistics are stored, and they differ from the initial ones.
+  assert_trees_close(new_state.params[owg], grads[owg])
+  assert max_tree_diff(new_state.params[owg], state.params[owg]) > 0
+  # The clean pass's function itself, given params["params"], finds no "params" collection.
+  with pytest.raises(flax.errors.ScopeCollectionNotFound):
+    jax.jit(lambda s, g: s.apply_gradients(grads=g, loss_fn=loss_of))(state, grads)
