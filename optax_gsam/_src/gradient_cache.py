@@ -185,6 +185,39 @@ class _Tower:
     return accumulator
 
 
+def _towers_from(embed_fn, chunk_size, per_example_keys: bool):
+  """The towers of one embed function, or of a tuple/list/dict of them, and their container."""
+  if not callable(embed_fn):
+    leaves, towers_def = jax.tree.flatten(embed_fn)
+    if not leaves or not all(callable(f) for f in leaves):
+      raise ValueError(
+        "embed_fn must be callable, or a tuple/list/dict of callables (one per tower); "
+        f"got {type(embed_fn).__name__}."
+      )
+    if isinstance(chunk_size, numbers.Integral) and not isinstance(chunk_size, bool):
+      sizes = [chunk_size] * len(leaves)
+    else:
+      try:
+        sizes = towers_def.flatten_up_to(chunk_size)
+      except (ValueError, TypeError) as error:
+        raise ValueError(
+          "chunk_size must be an int or a container matching embed_fn's towers "
+          f"({towers_def}); got {chunk_size!r}."
+        ) from error
+    for size in sizes:
+      _check_chunk_size(size)
+    names = [
+      f"batch of tower {jax.tree_util.keystr(path)}"
+      for path, _ in jax.tree_util.tree_flatten_with_path(embed_fn)[0]
+    ]
+    towers = [
+      _Tower(f, s, per_example_keys, name) for f, s, name in zip(leaves, sizes, names, strict=True)
+    ]
+    return towers, towers_def
+  _check_chunk_size(chunk_size)
+  return [_Tower(embed_fn, chunk_size, per_example_keys)], None
+
+
 def cached_value_and_grad(
   embed_fn: EmbedFn | Any,
   loss_fn: LossFn,
@@ -276,37 +309,7 @@ def cached_value_and_grad(
     Gao et al., `Scaling Deep Contrastive Learning Batch Size under Memory
     Limited Setup <https://arxiv.org/abs/2101.06983>`_, RepL4NLP 2021.
   """
-  multi_tower = not callable(embed_fn)
-  if multi_tower:
-    leaves, towers_def = jax.tree.flatten(embed_fn)
-    if not leaves or not all(callable(f) for f in leaves):
-      raise ValueError(
-        "embed_fn must be callable, or a tuple/list/dict of callables (one per tower); "
-        f"got {type(embed_fn).__name__}."
-      )
-    if isinstance(chunk_size, numbers.Integral) and not isinstance(chunk_size, bool):
-      sizes = [chunk_size] * len(leaves)
-    else:
-      try:
-        sizes = towers_def.flatten_up_to(chunk_size)
-      except (ValueError, TypeError) as error:
-        raise ValueError(
-          "chunk_size must be an int or a container matching embed_fn's towers "
-          f"({towers_def}); got {chunk_size!r}."
-        ) from error
-    for size in sizes:
-      _check_chunk_size(size)
-    names = [
-      f"batch of tower {jax.tree_util.keystr(path)}"
-      for path, _ in jax.tree_util.tree_flatten_with_path(embed_fn)[0]
-    ]
-    towers = [
-      _Tower(f, s, per_example_keys, name) for f, s, name in zip(leaves, sizes, names, strict=True)
-    ]
-  else:
-    _check_chunk_size(chunk_size)
-    towers_def = None
-    towers = [_Tower(embed_fn, chunk_size, per_example_keys)]
+  towers, towers_def = _towers_from(embed_fn, chunk_size, per_example_keys)
   if not callable(loss_fn):
     raise ValueError(f"loss_fn must be callable, got {type(loss_fn).__name__}.")
   for name, flag in (("has_aux", has_aux), ("per_example_keys", per_example_keys)):

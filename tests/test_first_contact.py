@@ -1,0 +1,245 @@
+"""The transform's side of the first-contact traps: each test fails without its fix."""
+
+import ast
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from _problems import make_problem
+from jax.sharding import PartitionSpec as P
+
+import optax_gsam
+
+
+def float32_problem(seed):
+  params, loss_jax, _, _ = make_problem(seed=seed)
+  return jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), params), loss_jax
+
+
+# --- (loss, aux) loss functions ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("container", [tuple, list])
+@pytest.mark.parametrize("num_groups", [None, 2])
+def test_loss_fn_returning_loss_and_aux_equals_the_scalar_loss(container, num_groups):
+  p, loss_jax = float32_problem(seed=31)
+  if num_groups:
+    scalar = lambda q, group: loss_jax(q) * (1.0 + group)
+  else:
+    scalar = loss_jax
+  with_aux = lambda *args: container([scalar(*args), {"logits": jnp.ones(3), "n": 7}])
+  tx = optax_gsam.gsam(0.1, 0.3, num_groups=num_groups)
+  grads = jax.grad(loss_jax)(p)
+  expected, expected_state = jax.jit(lambda g: tx.update(g, tx.init(p), p, loss_fn=scalar))(grads)
+  got, state = jax.jit(lambda g: tx.update(g, tx.init(p), p, loss_fn=with_aux))(grads)
+  jax.tree.map(np.testing.assert_array_equal, got, expected)
+  jax.tree.map(np.testing.assert_array_equal, state, expected_state)
+
+
+# --- Misleading errors ------------------------------------------------------------------------
+
+
+def test_missing_loss_fn_names_the_likely_cause_and_the_fix():
+  p = {"w": jnp.ones(3)}
+  tx = optax_gsam.gsam(0.1)
+  with pytest.raises(ValueError, match=r"optax_gsam\.flax\.TrainState.*nnx\.Optimizer\.update"):
+    tx.update(p, tx.init(p), p)
+
+
+def test_nnx_loss_fn_of_the_model_gets_a_clear_error():
+  nnx = pytest.importorskip("flax.nnx")
+
+  class Model(nnx.Module):
+    def __init__(self, rngs):
+      self.linear = nnx.Linear(3, 1, rngs=rngs)
+
+    def __call__(self, x):
+      return self.linear(x)
+
+  model = Model(nnx.Rngs(0))
+  x = jnp.ones((4, 3))
+  loss_of_model = lambda m: jnp.mean(m(x) ** 2)
+  params = nnx.state(model, nnx.Param)
+  grads = nnx.grad(loss_of_model)(model)
+  tx = optax_gsam.sam(0.05)
+  with pytest.raises(TypeError, match=r"loss_fn\(params\).*not the model.*nnx\.merge"):
+    tx.update(nnx.state(grads, nnx.Param), tx.init(params), params, loss_fn=loss_of_model)
+
+
+def test_unrelated_type_errors_in_the_loss_are_not_rewritten():
+  p = {"w": jnp.ones(3)}
+  tx = optax_gsam.sam(0.05)
+
+  def broken(q):
+    raise TypeError("'int' object is not callable")
+
+  with pytest.raises(TypeError, match=r"^'int' object is not callable"):
+    tx.update(p, tx.init(p), p, loss_fn=broken)
+
+
+# --- pmap with axis_name unset ----------------------------------------------------------------
+
+
+def test_update_under_pmap_without_axis_name_raises_naming_the_axis():
+  p, loss_jax = float32_problem(seed=32)
+  tx = optax.chain(optax_gsam.gsam(0.1, 0.3), optax.sgd(0.1))
+  n = jax.local_device_count()
+
+  def wrong_step(p, state):
+    grads = jax.lax.pmean(jax.grad(loss_jax)(p), "batch")  # the user's own pmean, as before
+    updates, state = tx.update(grads, state, p, loss_fn=loss_jax)
+    return optax.apply_updates(p, updates), state
+
+  replicate = lambda tree: jax.tree.map(lambda x: jnp.broadcast_to(x, (n, *x.shape)), tree)
+  with pytest.raises(ValueError, match=r"mapped axis 'batch'.*axis_name='batch'"):
+    jax.pmap(wrong_step, axis_name="batch")(replicate(p), replicate(tx.init(p)))
+  mesh = jax.make_mesh((n,), ("data",))
+  sharded = jax.shard_map(
+    lambda p, s: tx.update(p, s, p, loss_fn=loss_jax), mesh=mesh, in_specs=P(), out_specs=P()
+  )
+  with pytest.raises(ValueError, match=r"mapped axis 'data'"):
+    jax.jit(sharded)(p, tx.init(p))
+  # Plain vmap (no axis name), e.g. over seeds, is not a data axis.
+  jax.vmap(lambda q: tx.update(q, tx.init(q), q, loss_fn=loss_jax))(replicate(p))
+
+
+# --- on_nonfinite -----------------------------------------------------------------------------
+
+
+def nan_at_perturbed(loss_jax, params):
+  """A loss that is finite at ``params`` and NaN anywhere else (every perturbed point)."""
+  anchor = jax.tree.map(jnp.copy, params)
+
+  def loss(q):
+    moved = sum(
+      jnp.sum((a - b) ** 2)
+      for a, b in zip(jax.tree.leaves(q), jax.tree.leaves(anchor), strict=True)
+    )
+    return loss_jax(q) * jnp.where(moved > 0, jnp.nan, 1.0)  # NaN loss and gradient
+
+  return loss
+
+
+@pytest.mark.parametrize("transform", ["gsam", "sam"])
+def test_on_nonfinite_clean_outputs_the_clean_gradient_and_counts(transform):
+  p, loss_jax = float32_problem(seed=33)
+  bad = nan_at_perturbed(loss_jax, p)
+  make = optax_gsam.sam if transform == "sam" else lambda rho, **kw: optax_gsam.gsam(rho, 0.3, **kw)
+  grads = jax.grad(loss_jax)(p)
+  propagate = make(0.1)
+  out, _ = propagate.update(grads, propagate.init(p), p, loss_fn=bad)
+  assert not all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(out))
+  clean = make(0.1, on_nonfinite="clean")
+  state = clean.init(p)
+  out, state = jax.jit(lambda s: clean.update(grads, s, p, loss_fn=bad))(state)
+  jax.tree.map(np.testing.assert_array_equal, out, grads)
+  assert int(state.fallback_count) == 1 and int(state.count) == 1
+  assert state.fallback_count.dtype == jnp.int32
+  # A finite perturbed pass is no fallback.
+  _, state = clean.update(grads, state, p, loss_fn=loss_jax)
+  assert int(state.fallback_count) == 1 and int(state.count) == 2
+  # A non-finite clean gradient is not rescued: it propagates, uncounted.
+  nan_grads = jax.tree.map(lambda g: g * jnp.nan, grads)
+  out, state = clean.update(nan_grads, state, p, loss_fn=bad)
+  assert not all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(out))
+  assert int(state.fallback_count) == 1 and int(state.count) == 2
+
+
+def test_on_nonfinite_clean_keeps_training_behind_apply_if_finite():
+  """A loss that is NaN at every perturbed point stalls a propagating chain forever.
+
+  ``optax.apply_if_finite`` checks the updates it receives, so it goes after the transform.
+  """
+  p, loss_jax = float32_problem(seed=34)
+
+  def train(on_nonfinite):
+    tx = optax.chain(
+      optax_gsam.gsam(0.1, 0.3, on_nonfinite=on_nonfinite),
+      optax.apply_if_finite(optax.sgd(0.05), max_consecutive_errors=100),
+    )
+
+    @jax.jit
+    def step(params, state):
+      bad = nan_at_perturbed(loss_jax, params)
+      loss, grads = jax.value_and_grad(loss_jax)(params)
+      updates, state = tx.update(grads, state, params, loss_fn=bad, value=loss)
+      return optax.apply_updates(params, updates), state
+
+    params, state = p, tx.init(p)
+    for _ in range(5):
+      params, state = step(params, state)
+    return params, state
+
+  stalled, _ = train("propagate")
+  jax.tree.map(np.testing.assert_array_equal, stalled, p)
+  trained, state = train("clean")
+  plain = p
+  for _ in range(5):
+    plain = jax.tree.map(lambda w, g: w - 0.05 * g, plain, jax.grad(loss_jax)(plain))
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), trained, plain)
+  assert int(optax.tree.get(state, "fallback_count")) == 5
+
+
+def test_on_nonfinite_clean_under_per_device_perturbation():
+  """One device's NaN perturbed pass makes every device output the averaged clean gradient."""
+  p, loss_jax = float32_problem(seed=35)
+  mesh = jax.make_mesh((8,), ("data",))
+  tx = optax_gsam.gsam(0.1, 0.3, axis_name="data", on_nonfinite="clean")
+  x = jnp.arange(8.0)
+
+  def step(params, state, xb):
+    local = lambda q: loss_jax(q) * (1.0 + xb[0])
+    bad = lambda q: jnp.where(xb[0] == 3.0, jnp.nan, local(q))
+    updates, state = tx.update(jax.grad(local)(params), state, params, loss_fn=bad)
+    return updates, state
+
+  updates, state = optax_gsam.data_parallel(
+    step, mesh, axis_name="data", batch_argnums=(2,), out_specs=(P(), P())
+  )(p, tx.init(p), x)
+  expected = jax.tree.map(lambda g: g * jnp.mean(1.0 + x), jax.grad(loss_jax)(p))
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), updates, expected)
+  assert int(state.fallback_count) == 1
+
+
+def test_on_nonfinite_is_validated():
+  with pytest.raises(ValueError, match="on_nonfinite must be one of"):
+    optax_gsam.gsam(0.1, on_nonfinite="skip")
+  with pytest.raises(ValueError, match="on_nonfinite must be one of"):
+    optax_gsam.sam(0.1, on_nonfinite=None)
+
+
+# --- A readable core --------------------------------------------------------------------------
+
+
+def code_lines(function: ast.AST, source_lines: list[str]) -> int:
+  """Non-blank, non-comment lines of a function, its docstring excluded (nested ones count)."""
+  body = function.body
+  if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+    docstring = range(body[0].lineno, body[0].end_lineno + 1)
+  else:
+    docstring = range(0)
+  lines = range(function.lineno, function.end_lineno + 1)
+  return sum(
+    1
+    for n in lines
+    if n not in docstring
+    and source_lines[n - 1].strip()
+    and not source_lines[n - 1].strip().startswith("#")
+  )
+
+
+def test_no_function_in_the_package_exceeds_100_lines_of_code():
+  package = pathlib.Path(optax_gsam.__file__).parent
+  too_long = []
+  for path in sorted(package.rglob("*.py")):
+    source = path.read_text()
+    tree, lines = ast.parse(source), source.splitlines()
+    for node in ast.walk(tree):
+      if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        n = code_lines(node, lines)
+        if n > 100:
+          too_long.append(f"{path.relative_to(package)}:{node.name} ({n})")
+  assert not too_long, too_long
