@@ -9,6 +9,8 @@ from optax_gsam._src.contrastive import siglip_loss
 from optax_gsam._src.distributed import data_parallel
 from optax_gsam._src.distributed import emulate_devices
 from optax_gsam._src.gradient_cache import cached_value_and_grad
+from optax_gsam._src.momentum_sam import MomentumSAMState
+from optax_gsam._src.momentum_sam import momentum_sam
 from optax_gsam._src.perturbation import GradientStats
 from optax_gsam._src.perturbation import decompose
 from optax_gsam._src.perturbation import global_norm
@@ -36,6 +38,7 @@ __all__ = (
   "GSAMState",
   "GradientNormState",
   "GradientStats",
+  "MomentumSAMState",
   "RandomPolicyState",
   "SharpnessPolicy",
   "cached_value_and_grad",
@@ -50,6 +53,7 @@ __all__ = (
   "gradient_norm_policy",
   "gradient_stats",
   "gsam",
+  "momentum_sam",
   "orthogonal_component",
   "perturbation",
   "random_policy",

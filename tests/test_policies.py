@@ -274,3 +274,64 @@ def test_bad_policy_arguments_raise_naming_them(name):
   build, match = BAD_POLICIES[name]
   with pytest.raises(ValueError, match=match):
     build()
+
+
+# --- Momentum-SAM ------------------------------------------------------------------------------
+
+
+def test_momentum_sam_with_sgd_momentum_matches_the_papers_algorithm():
+  """SGD-MSAM (Becker et al., Algorithm 1) written from its formulas in float64."""
+  rho, mu, lr, steps = 0.3, 0.9, 0.05, 6
+  with jax.enable_x64(True):
+    params, loss_jax, _, grad_np = make_problem(seed=26)
+    w, v = flatten(params), np.zeros(flatten(params).shape)
+    for _ in range(steps):
+      scale = rho / (np.linalg.norm(v) + EPS)
+      g = flatten(grad_np(unflatten(w - scale * v, params)))
+      v = mu * v + g
+      w = w - lr * v
+    tx = optax.chain(optax_gsam.momentum_sam(rho, mu), optax.sgd(lr, momentum=mu))
+    p = jax.tree.map(jnp.asarray, params)
+    state = tx.init(p)
+    step = jax.jit(
+      lambda p, s: (lambda u, s: (optax.apply_updates(p, u), s))(
+        *tx.update(optax.tree.zeros_like(p), s, p, loss_fn=loss_jax)
+      )
+    )
+    for _ in range(steps):
+      p, state = step(p, state)
+    np.testing.assert_allclose(flatten(p), w, rtol=1e-10, atol=1e-12)
+    # Not plain momentum SGD: the perturbation changed the trajectory.
+    plain_w, plain_v = flatten(params), np.zeros(w.shape)
+    for _ in range(steps):
+      plain_v = mu * plain_v + flatten(grad_np(unflatten(plain_w, params)))
+      plain_w = plain_w - lr * plain_v
+    assert np.abs(plain_w - w).max() > 1e-4
+    assert int(optax.tree.get(state, "count")) == steps
+
+
+def test_momentum_sam_evaluates_the_loss_once_and_keeps_state_finite():
+  params, loss_jax, _, _ = make_problem(seed=27)
+  p = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), params)
+  calls = []
+
+  def counting_loss(q):
+    calls.append(1)
+    return loss_jax(q)
+
+  tx = optax_gsam.momentum_sam(0.1)
+  state = tx.init(p)
+  _, state = tx.update(optax.tree.zeros_like(p), state, p, loss_fn=counting_loss)
+  assert len(calls) == 1  # traced once: one gradient evaluation a step
+  good = state
+  nan_loss = lambda q: loss_jax(q) * jnp.nan
+  _, state = tx.update(optax.tree.zeros_like(p), state, p, loss_fn=nan_loss)
+  jax.tree.map(np.testing.assert_array_equal, state.momentum, good.momentum)
+  assert int(state.count) == 1
+  for bad, match in (
+    (lambda: optax_gsam.momentum_sam(0.1, momentum=1.0), "momentum"),
+    (lambda: optax_gsam.momentum_sam(-0.1), "rho"),
+    (lambda: optax_gsam.momentum_sam(0.1, eps=0.0), "eps"),
+  ):
+    with pytest.raises(ValueError, match=match):
+      bad()

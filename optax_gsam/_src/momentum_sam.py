@@ -1,0 +1,154 @@
+"""Momentum-SAM: a sharpness-aware step at the cost of one gradient evaluation."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from collections.abc import Hashable
+from typing import Any
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from optax_gsam._src import perturbation as pert
+from optax_gsam._src import step
+from optax_gsam._src.user_functions import scalar_loss
+from optax_gsam._src.user_functions import value_and_grad_from
+from optax_gsam._src.validation import check_axis_name
+from optax_gsam._src.validation import check_data_axis_is_set
+from optax_gsam._src.validation import check_non_negative
+from optax_gsam._src.validation import check_positive
+from optax_gsam._src.validation import check_update_inputs
+from optax_gsam._src.validation import is_real_number
+
+
+class MomentumSAMState(NamedTuple):
+  """State of :func:`momentum_sam`.
+
+  Attributes:
+    count: number of updates with a finite output; rho schedules read it.
+    rho: the radius of the last update.
+    perturbed_loss: the loss at the perturbed weights of the last update.
+    momentum: :math:`v_t`, the running sum of past outputs (params-shaped). A
+      non-finite gradient leaves it unchanged.
+  """
+
+  count: jax.Array
+  rho: jax.Array
+  perturbed_loss: jax.Array
+  momentum: optax.Updates
+
+
+def momentum_sam(
+  rho: optax.ScalarOrSchedule,
+  momentum: float = 0.9,
+  *,
+  eps: float = 1e-12,
+  axis_name: Hashable | tuple[Hashable, ...] | None = None,
+) -> optax.GradientTransformationExtraArgs:
+  r"""Momentum-SAM (MSAM): perturb along past gradients, evaluate one gradient.
+
+  SAM spends a gradient evaluation on finding the ascent direction. MSAM uses
+  the direction the optimizer has been moving in instead: with the running
+  momentum :math:`v_t` of the gradients this transform has output,
+
+  .. math::
+
+    \tilde w_t = w_t - \rho_t \, v_t / (\|v_t\| + \varepsilon), \qquad
+    g_t = \nabla f(\tilde w_t), \qquad
+    v_{t+1} = \mu v_t + g_t,
+
+  and :math:`g_t` is the output, which the optimizer after the transform
+  applies to :math:`w_t`. ``optax.chain(momentum_sam(rho, mu),
+  optax.sgd(lr, momentum=mu))`` is the paper's SGD-MSAM; with Adam, use
+  ``mu = b1`` (the perturbation is normalized, so :math:`v_t` and Adam's first
+  moment give the same direction).
+
+  Each step evaluates ``loss_fn`` once, at :math:`\tilde w_t`: the values of
+  the input ``updates`` are not read (only their structure is checked), so a
+  train step skips its clean pass and passes
+  ``optax.tree.zeros_like(params)``. That is where the 1x cost comes from; the
+  price is one params-sized buffer and no clean loss or gradient (no
+  surrogate-gap diagnostic). ``update(updates, state, params, *, loss_fn=None,
+  value_and_grad_fn=None, **extra_args)`` takes the loss function as
+  :func:`optax_gsam.gsam` does. With ``axis_name``, the gradient and the loss
+  are averaged over that axis; :math:`v_t` is then the same on every device.
+
+  Args:
+    rho: the radius :math:`\rho_t` >= 0, a float or a schedule.
+    momentum: :math:`\mu` in [0, 1).
+    eps: :math:`\varepsilon` > 0, guards the normalization (a zero :math:`v`,
+      as at the first step, gives no perturbation).
+    axis_name: the data-parallel axis name, or ``None``.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` with state
+    :class:`MomentumSAMState`.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, optax_gsam
+    >>> loss_fn = lambda w: jnp.sum((w - 1.0) ** 2)
+    >>> tx = optax.chain(optax_gsam.momentum_sam(0.05), optax.sgd(0.1, momentum=0.9))
+    >>> w = jnp.zeros(3)
+    >>> state = tx.init(w)
+    >>> for _ in range(3):
+    ...   updates, state = tx.update(optax.tree.zeros_like(w), state, w, loss_fn=loss_fn)
+    ...   w = optax.apply_updates(w, updates)
+    >>> bool(jnp.all(w > 0))
+    True
+
+  References:
+    Becker et al., `Momentum-SAM: Sharpness Aware Minimization without
+    Computational Overhead <https://arxiv.org/abs/2401.12033>`_, 2024.
+  """
+  if not callable(rho):
+    check_non_negative("rho", rho, schedule=True)
+  if not is_real_number(momentum) or not 0 <= momentum < 1:
+    raise ValueError(f"momentum must be a float in [0, 1), got {momentum!r}.")
+  check_positive("eps", eps)
+  check_axis_name(axis_name)
+
+  def init_fn(params: optax.Params) -> MomentumSAMState:
+    zero = jnp.zeros([], jnp.float32)
+    return MomentumSAMState(
+      count=jnp.zeros([], jnp.int32),
+      rho=zero,
+      perturbed_loss=zero,
+      momentum=optax.tree.zeros_like(params),
+    )
+
+  def update_fn(
+    updates: optax.Updates,
+    state: MomentumSAMState,
+    params: optax.Params | None = None,
+    *,
+    loss_fn: Callable | None = None,
+    value_and_grad_fn: Callable | None = None,
+    **extra_args: Any,
+  ) -> tuple[optax.Updates, MomentumSAMState]:
+    del extra_args
+    check_update_inputs(updates, params, state.momentum)
+    check_data_axis_is_set(axis_name)
+    grad_fn = value_and_grad_from(loss_fn, value_and_grad_fn)
+    rho_t = step.value_at(rho, state.count)
+    scale = -rho_t / (pert.global_norm(state.momentum) + eps)
+    perturbed = jax.tree.map(lambda w, v: w + (scale * v).astype(w.dtype), params, state.momentum)
+    value, grads = grad_fn(perturbed)
+    loss = scalar_loss(value)
+    if axis_name is not None:
+      grads, loss = step.pmean((grads, loss), axis_name)
+    grads = optax.tree.cast_like(grads, updates)
+    finite = step.all_finite(grads)
+    momentum_next = jax.tree.map(
+      lambda v, g: jnp.where(finite, momentum * v + g.astype(v.dtype), v), state.momentum, grads
+    )
+    new_state = MomentumSAMState(
+      count=jnp.where(finite, optax.safe_increment(state.count), state.count),
+      rho=rho_t.astype(jnp.float32),
+      perturbed_loss=loss,
+      momentum=momentum_next,
+    )
+    return grads, new_state
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
