@@ -21,6 +21,10 @@ Three rules make the perturbed pass consistent with the clean one; the guide
   both passes draw the same mask.
 * Mixup and other input randomness: mix once, before the clean pass, and close
   ``loss_fn`` over the mixed batch.
+
+``loss_fn`` receives what ``tx.update`` receives as ``params``: ``state.params``,
+or only ``state.params["params"]`` when the state holds an overwrite-with-gradient
+(fp8) collection, which ``loss_fn`` then puts back itself.
 """
 
 from __future__ import annotations
