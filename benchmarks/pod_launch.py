@@ -87,6 +87,19 @@ def example(index: int, image_size: int, classes: int) -> tuple:
   return image, int(rng.integers(0, classes))
 
 
+def global_batch(
+  sharding: jax.sharding.Sharding, size: int, image_size: int, classes: int
+) -> tuple[jax.Array, jax.Array]:
+  """(images, labels) of the global batch; this host makes (or reads) only its own rows."""
+  examples = [example(i, image_size, classes) for i in host_rows(sharding, size)]
+  images = np.stack([image for image, _ in examples])
+  labels = np.array([label for _, label in examples], np.int32)
+  return (
+    jax.make_array_from_process_local_data(sharding, images, (size, *images.shape[1:])),
+    jax.make_array_from_process_local_data(sharding, labels, (size,)),
+  )
+
+
 def main(argv: list[str] | None = None) -> dict:
   args = parse_args(argv)
   if args.cpu_devices and jax.config.jax_num_cpu_devices != args.cpu_devices:
@@ -142,17 +155,7 @@ def main(argv: list[str] | None = None) -> dict:
 
   train_step = optax_gsam.data_parallel(per_device_step, mesh, donate_argnums=(0, 1))
 
-  # Each host makes (or reads) only its own rows of the global batch.
-  rows = host_rows(batch_sharding, args.global_batch)
-  examples = [example(i, image_size, classes) for i in rows]
-  local_images = np.stack([image for image, _ in examples])
-  local_labels = np.array([label for _, label in examples], np.int32)
-  batch = (
-    jax.make_array_from_process_local_data(
-      batch_sharding, local_images, (args.global_batch, *local_images.shape[1:])
-    ),
-    jax.make_array_from_process_local_data(batch_sharding, local_labels, (args.global_batch,)),
-  )
+  batch = global_batch(batch_sharding, args.global_batch, image_size, classes)
 
   params = model.init(jax.random.key(0), np.zeros((1, image_size, image_size, 3), np.float32))
   opt_state = tx.init(params)
