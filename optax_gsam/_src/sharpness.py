@@ -204,44 +204,37 @@ def _check_perturb(perturb, policy: SharpnessPolicy) -> None:
     )
 
 
-def _settings(
-  alpha, eps, adaptive, minimize_fp, sync_perturbation, axis_name, num_groups, policy, on_nonfinite
-) -> step.Settings:
+def _validated(settings: step.Settings) -> step.Settings:
   """Validates gsam's static arguments eagerly; every error names its argument."""
-  check_non_negative("alpha", alpha)
-  check_positive("eps", eps)
-  if adaptive not in pert.ADAPTIVE_CHOICES:
-    raise ValueError(f"adaptive must be one of {pert.ADAPTIVE_CHOICES}, got {adaptive!r}.")
-  for name, flag in (("minimize_fp", minimize_fp), ("sync_perturbation", sync_perturbation)):
+  check_non_negative("alpha", settings.alpha)
+  check_positive("eps", settings.eps)
+  if settings.adaptive not in pert.ADAPTIVE_CHOICES:
+    raise ValueError(f"adaptive must be one of {pert.ADAPTIVE_CHOICES}, got {settings.adaptive!r}.")
+  for name, flag in (
+    ("minimize_fp", settings.minimize_fp),
+    ("sync_perturbation", settings.sync_perturbation),
+  ):
     if not isinstance(flag, bool):
       raise ValueError(f"{name} must be a bool, got {flag!r}.")
-  check_axis_name(axis_name)
-  if sync_perturbation and axis_name is None:
+  check_axis_name(settings.axis_name)
+  if settings.sync_perturbation and settings.axis_name is None:
     raise ValueError(
       "sync_perturbation=True needs axis_name: it averages the clean gradient over that axis."
     )
-  if num_groups is not None and axis_name is not None:
+  if settings.num_groups is not None and settings.axis_name is not None:
     raise ValueError(
       "num_groups emulates devices on one device; it cannot be combined with axis_name."
     )
-  if num_groups is not None and policy.uses_grad_norm:
+  if settings.num_groups is not None and settings.policy.uses_grad_norm:
     raise ValueError(
-      f"policy={policy.name!r} reads the clean gradient's norm, which num_groups never forms "
+      f"policy={settings.policy.name!r} reads the clean gradient's norm, which num_groups never forms "
       "before its per-group passes; use it with axis_name, or pick another policy."
     )
-  if on_nonfinite not in ON_NONFINITE_CHOICES:
-    raise ValueError(f"on_nonfinite must be one of {ON_NONFINITE_CHOICES}, got {on_nonfinite!r}.")
-  return step.Settings(
-    alpha,
-    eps,
-    adaptive,
-    minimize_fp,
-    sync_perturbation,
-    axis_name,
-    num_groups,
-    policy,
-    on_nonfinite,
-  )
+  if settings.on_nonfinite not in ON_NONFINITE_CHOICES:
+    raise ValueError(
+      f"on_nonfinite must be one of {ON_NONFINITE_CHOICES}, got {settings.on_nonfinite!r}."
+    )
+  return settings
 
 
 def gsam(
@@ -409,16 +402,18 @@ def gsam(
   check_static_count("num_groups", num_groups, 1)
   check_static_count("perturb_every", perturb_every, 1)
   policy = policy_from_arguments(policy, perturb_every, reuse_weight)
-  settings = _settings(
-    alpha,
-    eps,
-    adaptive,
-    minimize_fp,
-    sync_perturbation,
-    axis_name,
-    num_groups,
-    policy,
-    on_nonfinite,
+  settings = _validated(
+    step.Settings(
+      alpha,
+      eps,
+      adaptive,
+      minimize_fp,
+      sync_perturbation,
+      axis_name,
+      num_groups,
+      policy,
+      on_nonfinite,
+    )
   )
 
   def init_fn(params: optax.Params) -> GSAMState:
