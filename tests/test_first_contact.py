@@ -100,8 +100,16 @@ def test_update_under_pmap_without_axis_name_raises_naming_the_axis():
   sharded = jax.shard_map(
     lambda p, s: tx.update(p, s, p, loss_fn=loss_jax), mesh=mesh, in_specs=P(), out_specs=P()
   )
-  with pytest.raises(ValueError, match=r"mapped axis 'data'"):
+  with pytest.raises(ValueError, match=r"mapped axis 'data'.*check_axis=False"):
     jax.jit(sharded)(p, tx.init(p))
+  # Gradients that are global already (a gradient cache with its own axis_name) opt out.
+  trusted = optax_gsam.gsam(0.1, 0.3, check_axis=False)
+  opted_out = jax.shard_map(
+    lambda p, s: trusted.update(p, s, p, loss_fn=loss_jax), mesh=mesh, in_specs=P(), out_specs=P()
+  )
+  jax.jit(opted_out)(p, trusted.init(p))
+  with pytest.raises(ValueError, match="check_axis must be a bool"):
+    optax_gsam.sam(0.1, check_axis=None)
   # Plain vmap (no axis name), e.g. over seeds, is not a data axis.
   jax.vmap(lambda q: tx.update(q, tx.init(q), q, loss_fn=loss_jax))(replicate(p))
 

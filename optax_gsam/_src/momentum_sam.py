@@ -46,6 +46,7 @@ def momentum_sam(
   *,
   eps: float = 1e-12,
   axis_name: Hashable | tuple[Hashable, ...] | None = None,
+  check_axis: bool = True,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Momentum-SAM (MSAM): perturb along past gradients, evaluate one gradient.
 
@@ -81,6 +82,8 @@ def momentum_sam(
     eps: :math:`\varepsilon` > 0, guards the normalization (a zero :math:`v`,
       as at the first step, gives no perturbation).
     axis_name: the data-parallel axis name, or ``None``.
+    check_axis: as in :func:`optax_gsam.gsam`: with ``axis_name=None``, raise
+      under a mapped axis unless this is ``False``.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` with state
@@ -108,13 +111,14 @@ def momentum_sam(
     raise ValueError(f"momentum must be a float in [0, 1), got {momentum!r}.")
   check_positive("eps", eps)
   check_axis_name(axis_name)
+  if not isinstance(check_axis, bool):
+    raise ValueError(f"check_axis must be a bool, got {check_axis!r}.")
 
   def init_fn(params: optax.Params) -> MomentumSAMState:
-    zero = jnp.zeros([], jnp.float32)
-    return MomentumSAMState(
+    return MomentumSAMState(  # One buffer per field, so that the state can be donated.
       count=jnp.zeros([], jnp.int32),
-      rho=zero,
-      perturbed_loss=zero,
+      rho=jnp.zeros([], jnp.float32),
+      perturbed_loss=jnp.zeros([], jnp.float32),
       momentum=optax.tree.zeros_like(params),
     )
 
@@ -129,7 +133,8 @@ def momentum_sam(
   ) -> tuple[optax.Updates, MomentumSAMState]:
     del extra_args
     check_update_inputs(updates, params, state.momentum)
-    check_data_axis_is_set(axis_name)
+    if check_axis:
+      check_data_axis_is_set(axis_name)
     grad_fn = value_and_grad_from(loss_fn, value_and_grad_fn)
     rho_t = step.value_at(rho, state.count)
     scale = -rho_t / (pert.global_norm(state.momentum) + eps)

@@ -228,8 +228,8 @@ def gradient_norm_policy(
   _check_cheap(cheap, reuse_weight)
 
   def init():
-    zero = jnp.zeros([], jnp.float32)
-    return GradientNormState(mean=zero, variance=zero)
+    # Separate buffers, so that a donated state never holds one twice.
+    return GradientNormState(mean=jnp.zeros([], jnp.float32), variance=jnp.zeros([], jnp.float32))
 
   def decide(state, count, grad_sq_norm):
     signal = grad_sq_norm.astype(jnp.float32)

@@ -251,6 +251,7 @@ def gsam(
   reuse_weight: optax.ScalarOrSchedule = 0.7,
   policy: SharpnessPolicy | None = None,
   on_nonfinite: str = "propagate",
+  check_axis: bool = True,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Surrogate Gap Guided Sharpness-Aware Minimization (GSAM).
 
@@ -367,6 +368,13 @@ def gsam(
       :func:`optax_gsam.every_step_policy`. Not together with
       ``perturb_every``/``reuse_weight``.
     on_nonfinite: ``"propagate"`` or ``"clean"`` (see above).
+    check_axis: with ``axis_name=None``, raise a ``ValueError`` when ``update``
+      runs under a mapped axis (``jax.pmap``, ``jax.shard_map``, a named
+      ``jax.vmap``), where each replica would perturb with its own gradient and
+      nothing would average the outputs. Set ``False`` only where the
+      gradients given to ``update`` are already global and identical on every
+      replica, e.g. those of :func:`optax_gsam.cached_value_and_grad` with its
+      own ``axis_name``.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` with state :class:`GSAMState`.
@@ -401,6 +409,8 @@ def gsam(
     check_non_negative("rho", rho, schedule=True)
   check_static_count("num_groups", num_groups, 1)
   check_static_count("perturb_every", perturb_every, 1)
+  if not isinstance(check_axis, bool):
+    raise ValueError(f"check_axis must be a bool, got {check_axis!r}.")
   policy = policy_from_arguments(policy, perturb_every, reuse_weight)
   settings = _validated(
     step.Settings(
@@ -417,17 +427,19 @@ def gsam(
   )
 
   def init_fn(params: optax.Params) -> GSAMState:
-    zero, zero_count = jnp.zeros([], jnp.float32), jnp.zeros([], jnp.int32)
+    # A fresh buffer per field: a donated state must not hold one buffer twice.
+    zero = lambda: jnp.zeros([], jnp.float32)
+    zero_count = lambda: jnp.zeros([], jnp.int32)
     return GSAMState(
-      count=zero_count,
-      rho=zero,
-      perturbed_loss=zero,
-      surrogate_gap=zero,
-      cosine=zero,
-      clean_grad_norm=zero,
-      perturbed_grad_norm=zero,
-      full_steps=zero_count,
-      fallback_count=zero_count,
+      count=zero_count(),
+      rho=zero(),
+      perturbed_loss=zero(),
+      surrogate_gap=zero(),
+      cosine=zero(),
+      clean_grad_norm=zero(),
+      perturbed_grad_norm=zero(),
+      full_steps=zero_count(),
+      fallback_count=zero_count(),
       policy_state=policy.init(),
       correction=optax.tree.zeros_like(params) if policy.stores_direction else None,
     )
@@ -446,7 +458,8 @@ def gsam(
     del extra_args
     _check_perturb(perturb, policy)
     check_update_inputs(updates, params, state.correction)
-    check_data_axis_is_set(axis_name)
+    if check_axis:
+      check_data_axis_is_set(axis_name)
     rho_hyper = step.hyperparams_at(rho, policy, state.count)
     if num_groups is None:
       grad_fn = value_and_grad_from(loss_fn, value_and_grad_fn)
@@ -476,6 +489,7 @@ def sam(
   reuse_weight: optax.ScalarOrSchedule = 0.7,
   policy: SharpnessPolicy | None = None,
   on_nonfinite: str = "propagate",
+  check_axis: bool = True,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Sharpness-Aware Minimization (SAM): :func:`gsam` with ``alpha=0``.
 
@@ -514,6 +528,7 @@ def sam(
     reuse_weight=reuse_weight,
     policy=policy,
     on_nonfinite=on_nonfinite,
+    check_axis=check_axis,
   )
 
 
