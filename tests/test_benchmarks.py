@@ -127,8 +127,9 @@ def test_pareto_smoke(pareto, tmp_path):
 
 def test_pareto_step_cost_formula(pareto):
   costs = {
-    "p/full": {"ratio": 2.0, "flops_ratio": 2.0},
-    "p/cheap": {"ratio": 1.1, "flops_ratio": 1.0},
+    "base": {"ratio": 1.0, "flops_ratio": 1.0, "ms": 1.0},
+    "p/full": {"ratio": 2.0, "flops_ratio": 2.0, "ms": 2.0},
+    "p/cheap": {"ratio": 1.1, "flops_ratio": 1.0, "ms": 1.1},
   }
   cost = pareto.step_cost_of(pareto.CONTENDERS["adaptive"], costs, "p", 25.0, 100)
   assert cost["step_cost"] == pytest.approx((25 * 2.0 + 75 * 1.1) / 100)
