@@ -335,3 +335,83 @@ def test_momentum_sam_evaluates_the_loss_once_and_keeps_state_finite():
   ):
     with pytest.raises(ValueError, match=match):
       bad()
+
+
+# --- Review findings: each fails without its fix -----------------------------------------------
+
+
+def test_full_step_due_reads_the_same_signal_as_update_per_device():
+  """Per-device perturbation: both average the devices' squared norms over the axis."""
+  policy = optax_gsam.gradient_norm_policy(0.5, decay=0.0)
+  tx = optax_gsam.gsam(0.1, 0.3, axis_name="d", policy=policy)
+  p = {"w": jnp.zeros(2)}
+  # Opposite gradients: the mean gradient is 0, each device's norm is not.
+  grads = {"w": jnp.array([[1.0, 0.0], [-1.0, 0.0], [0.0, 1.0], [0.0, -1.0]])}
+  loss_fn = lambda q: jnp.sum(q["w"])
+
+  def per_device(g):
+    state = tx.init(p)
+    due = optax_gsam.full_step_due(state, g, policy=policy, rho=0.1, axis_name="d")
+    _, state = tx.update(g, state, p, loss_fn=loss_fn)
+    return due, state.full_steps
+
+  due, full = jax.vmap(per_device, axis_name="d")(grads)
+  np.testing.assert_array_equal(due, full.astype(bool))
+
+
+def test_full_step_due_rejects_a_policy_the_state_was_not_built_with():
+  tx = optax_gsam.sam(0.05, perturb_every=5)
+  state = tx.init(jnp.ones(2))
+  with pytest.raises(ValueError, match="not the policy this optimizer state was built with"):
+    optax_gsam.full_step_due(state, jnp.ones(2), rho=0.05)
+  with pytest.raises(ValueError, match="not the policy"):
+    optax_gsam.full_step_due(state, jnp.ones(2), policy=optax_gsam.gradient_norm_policy(), rho=0.05)
+  assert bool(
+    optax_gsam.full_step_due(state, jnp.ones(2), policy=optax_gsam.every_k_policy(5), rho=0.05)
+  )
+
+
+def test_policy_states_can_be_donated_and_reinitialised():
+  key = jax.random.key(4)
+  policy = optax_gsam.random_policy(0.5, key=key)
+  tx = optax.chain(optax_gsam.sam(0.05, policy=policy), optax.sgd(0.1))
+  p = jnp.ones(3)
+  loss_fn = lambda w: jnp.sum(jnp.sin(w))
+
+  @functools.partial(jax.jit, donate_argnums=(1,))
+  def step(w, state):
+    updates, state = tx.update(jax.grad(loss_fn)(w), state, w, loss_fn=loss_fn)
+    return optax.apply_updates(w, updates), state
+
+  leaves = jax.tree.leaves(tx.init(p))
+  assert len({id(x) for x in leaves}) == len(leaves)
+  step(p, tx.init(p))
+  assert not key.is_deleted()
+  tx.init(p)  # a restore target after a donated step
+
+
+def test_inject_hyperparams_takes_a_policy_and_momentum_sam():
+  p = jnp.ones(3)
+  loss_fn = lambda w: jnp.sum(jnp.sin(w))
+  tx = optax.inject_hyperparams(optax_gsam.gsam)(rho=0.05, policy=optax_gsam.every_k_policy(2))
+  state = tx.init(p)
+  for _ in range(3):
+    _, state = tx.update(jax.grad(loss_fn)(p), state, p, loss_fn=loss_fn)
+  assert int(state.inner_state.full_steps) == 2
+  msam = optax.inject_hyperparams(optax_gsam.momentum_sam)(rho=0.05)
+  _, state = msam.update(jnp.zeros(3), msam.init(p), p, loss_fn=loss_fn)
+  assert int(state.inner_state.count) == 1
+
+
+def test_a_static_zero_rho_traces_no_perturbed_pass_for_any_policy():
+  params, loss_jax, _, _ = make_problem(seed=28)
+  params = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), params)
+  grads = jax.grad(loss_jax)(params)
+  for policy, _, _ in policy_cases().values():
+    traced = []
+    counting = lambda p, traced=traced: traced.append(1) or loss_jax(p)
+    tx = optax_gsam.sam(0.0, policy=policy)
+    jax.make_jaxpr(lambda g, s, tx=tx, f=counting: tx.update(g, s, params, loss_fn=f))(
+      grads, tx.init(params)
+    )
+    assert not traced, policy.name  # decided while tracing: no branch evaluates the loss

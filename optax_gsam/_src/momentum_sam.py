@@ -21,6 +21,7 @@ from optax_gsam._src.validation import check_non_negative
 from optax_gsam._src.validation import check_positive
 from optax_gsam._src.validation import check_update_inputs
 from optax_gsam._src.validation import is_real_number
+from optax_gsam._src.validation import is_scalar_array
 
 
 class MomentumSAMState(NamedTuple):
@@ -30,8 +31,8 @@ class MomentumSAMState(NamedTuple):
     count: number of updates with a finite output; rho schedules read it.
     rho: the radius of the last update.
     perturbed_loss: the loss at the perturbed weights of the last update.
-    momentum: :math:`v_t`, the running sum of past outputs (params-shaped). A
-      non-finite gradient leaves it unchanged.
+    momentum: :math:`v_t`, the running sum of past outputs (params-shaped, in
+      float32 at least). A non-finite gradient leaves it unchanged.
   """
 
   count: jax.Array
@@ -107,7 +108,7 @@ def momentum_sam(
   """
   if not callable(rho):
     check_non_negative("rho", rho, schedule=True)
-  if not is_real_number(momentum) or not 0 <= momentum < 1:
+  if not is_scalar_array(momentum) and (not is_real_number(momentum) or not 0 <= momentum < 1):
     raise ValueError(f"momentum must be a float in [0, 1), got {momentum!r}.")
   check_positive("eps", eps)
   check_axis_name(axis_name)
@@ -119,7 +120,8 @@ def momentum_sam(
       count=jnp.zeros([], jnp.int32),
       rho=jnp.zeros([], jnp.float32),
       perturbed_loss=jnp.zeros([], jnp.float32),
-      momentum=optax.tree.zeros_like(params),
+      # Accumulated in float32 at least: bfloat16 would lose the sum's small terms.
+      momentum=jax.tree.map(lambda p: jnp.zeros(p.shape, pert.accumulation_dtype(p.dtype)), params),
     )
 
   def update_fn(

@@ -28,6 +28,7 @@ import optax
 
 from optax_gsam._src.validation import check_non_negative
 from optax_gsam._src.validation import is_real_number
+from optax_gsam._src.validation import is_scalar_array
 
 CHEAP_CHOICES = ("reuse", "clean")
 DEFAULT_REUSE_WEIGHT = 0.7
@@ -300,7 +301,7 @@ def random_policy(
 
   return SharpnessPolicy(
     name="random",
-    init=lambda: RandomPolicyState(key=key),
+    init=lambda: RandomPolicyState(key=jnp.copy(key)),  # a copy: the state may be donated
     decide=decide,
     cheap=cheap,
     reuse_weight=reuse_weight,
@@ -322,7 +323,10 @@ def policy_from_arguments(
       "policy must be a SharpnessPolicy (e.g. optax_gsam.every_k_policy(5)), "
       f"got {type(policy).__name__}."
     )
-  default_weight = isinstance(reuse_weight, float) and reuse_weight == DEFAULT_REUSE_WEIGHT
+  # optax.inject_hyperparams turns the default into an array, which cannot be compared here.
+  default_weight = is_scalar_array(reuse_weight) or (
+    isinstance(reuse_weight, float) and reuse_weight == DEFAULT_REUSE_WEIGHT
+  )
   if perturb_every is not None or not default_weight:
     raise ValueError(
       "Pass either policy= or perturb_every=/reuse_weight=, not both: "

@@ -57,9 +57,9 @@ class GSAMState(NamedTuple):
     cosine: cosine between the clean and the perturbed gradient.
     clean_grad_norm: :math:`\\|g_c\\|`.
     perturbed_grad_norm: :math:`\\|g_p\\|`.
-    full_steps: how many of the counted updates took the full (perturbed)
-      step with a finite perturbed loss; with a cheap policy, ``full_steps / count`` is the fraction of
-      steps that paid for a second gradient.
+    full_steps: how many of the counted updates output the full (perturbed)
+      step's result (a finite perturbed loss, no fallback); with a cheap policy, ``full_steps / count`` is the fraction of
+      steps whose output came from a full step.
     fallback_count: with ``on_nonfinite="clean"``, how many full steps had a
       non-finite perturbed loss or gradient and output the clean gradient
       instead. Never reset.
@@ -184,7 +184,9 @@ def _next_state(
     cosine=diagnostics[2],
     clean_grad_norm=diagnostics[3],
     perturbed_grad_norm=diagnostics[4],
-    full_steps=increment(state.full_steps, outcome.full & counts & jnp.isfinite(diagnostics[0])),
+    full_steps=increment(
+      state.full_steps, outcome.full & counts & jnp.isfinite(diagnostics[0]) & ~fell_back
+    ),
     fallback_count=increment(state.fallback_count, fell_back),
     policy_state=policy_state,
     correction=outcome.correction,
@@ -371,7 +373,8 @@ def gsam(
     check_axis: with ``axis_name=None``, raise a ``ValueError`` when ``update``
       runs under a mapped axis (``jax.pmap``, ``jax.shard_map``, a named
       ``jax.vmap``), where each replica would perturb with its own gradient and
-      nothing would average the outputs. Set ``False`` only where the
+      nothing would average the outputs. Set ``False`` where that axis is not
+      a data axis (a named ``jax.vmap`` over seeds, say), or where the
       gradients given to ``update`` are already global and identical on every
       replica, e.g. those of :func:`optax_gsam.cached_value_and_grad` with its
       own ``axis_name``.
@@ -551,6 +554,7 @@ def full_step_due(
   *,
   policy: SharpnessPolicy | None = None,
   rho: optax.ScalarOrSchedule,
+  axis_name: Hashable | tuple[Hashable, ...] | None = None,
 ) -> jax.Array:
   r"""Whether the next ``update`` would take the full step: the policy's answer, ahead of it.
 
@@ -562,15 +566,24 @@ def full_step_due(
 
   Args:
     opt_state: the optimizer state holding one :class:`GSAMState`, e.g. a
-      chain's.
-    grads: the clean gradient of this step (read by
-      :func:`optax_gsam.gradient_norm_policy` only; pass the global gradient,
-      not a per-device one).
-    policy: the policy given to :func:`gsam` (``None``: the default).
+      chain's (unreplicated: one device's copy under ``pmap``).
+    grads: the clean gradient of this step, read by
+      :func:`optax_gsam.gradient_norm_policy` only.
+    policy: the policy given to :func:`gsam` (``None``: the default; with
+      ``perturb_every=k``, pass ``every_k_policy(k)``).
     rho: the ``rho`` given to :func:`gsam`.
+    axis_name: for per-device perturbation, the transform's ``axis_name``:
+      call this inside the mapped function with each device's own ``grads``,
+      and it averages the squared gradient norms over the axis exactly as
+      ``update`` does. With synchronized perturbation, or on one device, leave
+      it ``None`` and pass the global gradient.
 
   Returns:
     A bool scalar array.
+
+  Raises:
+    ValueError: if ``policy`` is not the one the state was built with (its
+      state or its stored direction does not match).
 
   Example:
     >>> import jax, jax.numpy as jnp, optax, optax_gsam
@@ -582,6 +595,12 @@ def full_step_due(
   """
   policy = policy_from_arguments(policy, None, DEFAULT_REUSE_WEIGHT)
   state = _find_state(opt_state)
+  same_state = jax.tree.structure(policy.init()) == jax.tree.structure(state.policy_state)
+  if not same_state or policy.stores_direction != (state.correction is not None):
+    raise ValueError(
+      f"policy ({policy.name!r}) is not the policy this optimizer state was built with: pass "
+      "full_step_due the policy given to gsam/sam (every_k_policy(k) for perturb_every=k)."
+    )
   rho_hyper = step.hyperparams_at(rho, policy, state.count)
-  due, _ = step.decide(policy, state.policy_state, state.count, rho_hyper, grads)
+  due, _ = step.decide(policy, state.policy_state, state.count, rho_hyper, grads, axis_name)
   return jnp.asarray(due)

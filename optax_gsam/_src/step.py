@@ -138,10 +138,13 @@ def decide(
       grad_sq_norm = pmean(grad_sq_norm, signal_axis)
   due, policy_state = policy.decide(policy_state, count, grad_sq_norm)
   if policy.skip_zero_rho:
-    if due is True:
-      due = hyper.rho_positive
+    positive = hyper.rho_positive
+    if isinstance(positive, bool):  # A static rho is decided while tracing.
+      due = due if positive else False
+    elif due is True:
+      due = positive
     else:
-      due = due & hyper.rho_positive
+      due = due & positive
   return due, policy_state
 
 

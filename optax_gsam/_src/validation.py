@@ -138,7 +138,7 @@ def check_data_axis_is_set(axis_name) -> None:
       "jax.vmap) with axis_name=None, so each replica would perturb and decompose its own "
       "gradient and nothing would average the results: the replicas drift apart. Pass "
       f"axis_name={names[0]!r} to gsam/sam and remove your own lax.pmean of the gradients "
-      "(the transform's output is averaged already). See docs/distributed.md. If the "
-      "gradients are already global here (cached_value_and_grad with its own axis_name), "
-      "pass check_axis=False."
+      "(the transform's output is averaged already). See docs/distributed.md. If this axis "
+      "is not a data axis (a named vmap over seeds, say), or the gradients are already "
+      "global here (cached_value_and_grad with its own axis_name), pass check_axis=False."
     )
