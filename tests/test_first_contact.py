@@ -191,8 +191,19 @@ def test_on_nonfinite_clean_keeps_training_behind_apply_if_finite():
   assert int(optax.tree.get(state, "fallback_count")) == 5
 
 
-def test_on_nonfinite_clean_under_per_device_perturbation():
-  """One device's NaN perturbed pass makes every device output the averaged clean gradient."""
+NONFINITE_ON_ONE_DEVICE = {
+  # A NaN loss whose gradient is finite (zero) there.
+  "nan_loss": lambda local, q, bad: jnp.where(bad, jnp.nan, local(q)),
+  # A finite loss whose gradient is NaN: d sqrt(u) at u = 0 is inf, times 0.
+  "nan_gradient": lambda local, q, bad: (
+    local(q) + jnp.where(bad, jnp.sqrt(0.0 * jnp.sum(q["w"] ** 2)), 0.0)
+  ),
+}
+
+
+@pytest.mark.parametrize("kind", list(NONFINITE_ON_ONE_DEVICE))
+def test_on_nonfinite_clean_under_per_device_perturbation(kind):
+  """One device's non-finite perturbed pass makes every device output the averaged clean gradient."""
   p, loss_jax = float32_problem(seed=35)
   mesh = jax.make_mesh((8,), ("data",))
   tx = optax_gsam.gsam(0.1, 0.3, axis_name="data", on_nonfinite="clean")
@@ -200,7 +211,7 @@ def test_on_nonfinite_clean_under_per_device_perturbation():
 
   def step(params, state, xb):
     local = lambda q: loss_jax(q) * (1.0 + xb[0])
-    bad = lambda q: jnp.where(xb[0] == 3.0, jnp.nan, local(q))
+    bad = lambda q: NONFINITE_ON_ONE_DEVICE[kind](local, q, xb[0] == 3.0)
     updates, state = tx.update(jax.grad(local)(params), state, params, loss_fn=bad)
     return updates, state
 
@@ -209,7 +220,7 @@ def test_on_nonfinite_clean_under_per_device_perturbation():
   )(p, tx.init(p), x)
   expected = jax.tree.map(lambda g: g * jnp.mean(1.0 + x), jax.grad(loss_jax)(p))
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), updates, expected)
-  assert int(state.fallback_count) == 1
+  assert int(state.fallback_count) == 1 and int(state.full_steps) == 0
 
 
 def test_on_nonfinite_is_validated():
