@@ -65,7 +65,9 @@ def test_nnx_loss_fn_of_the_model_gets_a_clear_error():
   params = nnx.state(model, nnx.Param)
   grads = nnx.grad(loss_of_model)(model)
   tx = optax_gsam.sam(0.05)
-  with pytest.raises(TypeError, match=r"loss_fn\(params\).*not the model.*nnx\.merge"):
+  with pytest.raises(
+    TypeError, match=r"loss_fn\(params\).*not the model.*optax_gsam\.flax\.nnx_loss_fn"
+  ):
     tx.update(nnx.state(grads, nnx.Param), tx.init(params), params, loss_fn=loss_of_model)
 
 

@@ -334,12 +334,14 @@ def gsam(
   the last full step; ``GSAMState.full_steps`` counts the full steps.
 
   **Non-finite steps.** With ``on_nonfinite="propagate"`` a non-finite
-  perturbed loss or gradient reaches the output (put ``optax.apply_if_finite``
-  after the transform to skip such steps). With ``on_nonfinite="clean"``, a
-  full step whose perturbed loss or output is not finite while the clean
-  gradient is finite outputs the clean gradient (averaged like the output),
-  so the chain takes a plain base step; ``GSAMState.fallback_count`` counts
-  those steps. Either way such a step never replaces the stored direction.
+  perturbed gradient reaches the output (put ``optax.apply_if_finite`` after
+  the transform to skip such steps); a perturbed loss that overflows while
+  its gradient stays finite is only seen in the ``perturbed_loss``
+  diagnostic. With ``on_nonfinite="clean"``, a full step whose perturbed loss
+  or output is not finite while the clean gradient is finite outputs the
+  clean gradient (averaged like the output), so the chain takes a plain base
+  step; ``GSAMState.fallback_count`` counts those steps. Either way such a
+  step never replaces the stored direction.
 
   Under ``optax.inject_hyperparams(optax_gsam.gsam)``, rho, alpha, eps and
   reuse_weight become injectable; static options (``perturb_every``,

@@ -64,8 +64,8 @@ def call_user_function(fn: Callable, params: optax.Params, *args: Any) -> Any:
       raise TypeError(
         f"loss_fn received the params ({type(params).__name__}) and tried to call them: "
         "gsam/sam call loss_fn(params) with the parameter pytree, not the model. With Flax "
-        "NNX write loss_fn(params) that rebuilds the model, e.g. "
-        "`lambda p: loss(nnx.merge(graphdef, p, rest))` (the NNX recipes in docs/flax.md)."
+        "NNX, build the loss of params with optax_gsam.flax.nnx_loss_fn(loss_fn, model, "
+        "*args) before the clean pass (docs/flax.md shows both NNX styles)."
       ) from error
     raise
 
