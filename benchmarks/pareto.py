@@ -55,10 +55,11 @@ schedule and decay 0.9, RST's p = 0.5, SAM over the last 25%). ``--no-tune``
 skips the sweep and uses :data:`DEFAULTS` (the winners of the last full run).
 
 Step cost, the static-branch protocol of ``step_cost.py``: in one process, on a
-fixed batch, the base step, each contender's jitted full-branch step
-(``update(..., perturb=True)``) and jitted cheap-branch step (``perturb=False``)
-are timed interleaved, in a fresh random order every round; each is reduced to
-the median over rounds of its per-round ratio to the base step, and
+fixed batch, each contender's jitted full-branch step (``update(...,
+perturb=True)``) and jitted cheap-branch step (``perturb=False``) are timed
+interleaved, in a fresh random order every round, each run paired with a run of
+the base step right next to it; each is reduced to the median over rounds of its
+ratio to the base step, and
 
   step_cost = (n_full * t_full + n_cheap * t_cheap) / (N * t_base)
 
@@ -222,7 +223,7 @@ def tasks(mode: Literal["full", "quick"]) -> dict[str, Task]:
       (0.2, 0.4),
       batch_size=64,
       epochs=2 if quick else 60,
-      lr_grid=(2.5e-4, 5e-4, 1e-3),
+      lr_grid=(1.25e-4, 2.5e-4, 5e-4, 1e-3),
       rho_grid=(0.1, 0.2, 0.4, 0.8),
       msam_rho_grid=(0.1, 0.3, 1.0, 3.0),
     ),
@@ -233,7 +234,7 @@ def tasks(mode: Literal["full", "quick"]) -> dict[str, Task]:
       (0.0,),
       batch_size=100,
       epochs=2 if quick else 50,
-      lr_grid=(1e-2, 2e-2, 4e-2),
+      lr_grid=(1e-2, 2e-2, 4e-2, 8e-2),
       rho_grid=(0.05, 0.1, 0.2, 0.4),
       msam_rho_grid=(0.1, 0.3, 1.0, 3.0),
     ),
@@ -602,23 +603,37 @@ def compile_step(
 def interleaved_ratios(
   timed: dict[str, Timed], base: str, x: jax.Array, y: jax.Array, *, rounds: int, steps: int
 ) -> dict[str, dict[str, float]]:
-  """Times every step in a fresh random order each round; median ms and median ratio to base."""
+  """Median ms per step and median ratio to the base step, each sample paired with a base run.
+
+  Every round visits the steps in a fresh random order and times each right next to
+  a run of the base step (before it on even rounds, after it on odd ones), so a
+  ratio compares two runs a few milliseconds apart: the load of a shared machine
+  changes faster than a whole round.
+  """
+  others = [name for name in timed if name != base]
   times: dict[str, list[float]] = {name: [] for name in timed}
-  order = list(timed)
+  ratios: dict[str, list[float]] = {name: [] for name in others}
   shuffle = random.Random(0)
-  for _ in range(rounds):
-    shuffle.shuffle(order)
-    for name in order:
-      times[name].append(timed[name].run(x, y, steps))
-  base_times = np.array(times[base])
-  return {
-    name: {
-      "ms": 1e3 * float(np.median(t)),
-      "ratio": float(np.median(np.array(t) / base_times)),
+  for i in range(rounds):
+    shuffle.shuffle(others)
+    for name in others:
+      if i % 2 == 0:
+        base_time = timed[base].run(x, y, steps)
+        time_ = timed[name].run(x, y, steps)
+      else:
+        time_ = timed[name].run(x, y, steps)
+        base_time = timed[base].run(x, y, steps)
+      times[base].append(base_time)
+      times[name].append(time_)
+      ratios[name].append(time_ / base_time)
+  out = {base: {"ms": 1e3 * float(np.median(times[base])), "ratio": 1.0, "flops_ratio": 1.0}}
+  for name in others:
+    out[name] = {
+      "ms": 1e3 * float(np.median(times[name])),
+      "ratio": float(np.median(ratios[name])),
       "flops_ratio": timed[name].flops / timed[base].flops,
     }
-    for name, t in times.items()
-  }
+  return out
 
 
 def branch_costs(
@@ -968,8 +983,8 @@ def main(argv: list[str] | None = None) -> dict:
     overhead = vit_overhead(
       contenders,
       smoke=args.quick,
-      rounds=rounds,
-      steps=2 if args.quick else 10,
+      rounds=max(2, rounds // 2),
+      steps=2 if args.quick else 5,
       compiler_options=options,
     )
   checks = check_targets(rows, contenders, overhead)
