@@ -118,7 +118,8 @@ def measure(args) -> list[dict]:
   param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
 
   runs = {}
-  for name, sharpness in contenders().items():
+  chosen = {name: t for name, t in contenders().items() if name in args.contenders}
+  for name, sharpness in chosen.items():
     tx, step = make_step(model, sharpness)
     train_step = optax_gsam.data_parallel(step, mesh, axis_name=AXIS)
     state = tx.init(params)
@@ -242,6 +243,13 @@ def main(argv: list[str] | None = None) -> dict:
   parser.add_argument("--rounds", type=int, default=None)
   parser.add_argument("--steps-per-round", type=int, default=None)
   parser.add_argument("--no-pod-estimate", action="store_true")
+  parser.add_argument(
+    "--contenders",
+    nargs="+",
+    choices=list(contenders()),
+    default=list(contenders()),
+    help="which steps to compile and time (base always joins: the ratios need it)",
+  )
   parser.add_argument("--pod-cores", type=int, default=64)
   parser.add_argument("--pod-global-batch", type=int, default=4096)
   parser.add_argument("--core-tflops", type=float, default=61.5, help="v3: 123 TFLOP/s per chip")
@@ -251,6 +259,7 @@ def main(argv: list[str] | None = None) -> dict:
   )
   parser.add_argument("--out", type=pathlib.Path, default=RESULTS / "distributed.json")
   args = parser.parse_args(argv)
+  args.contenders = ["base", *(c for c in args.contenders if c != "base")]
   if args.quick:
     args.width, args.depth = min(args.width, 48), min(args.depth, 2)
     args.per_device_batch = min(args.per_device_batch, 8)
