@@ -918,7 +918,7 @@ def main(argv: list[str] | None = None) -> dict:
   argv = sys.argv[1:] if argv is None else argv
   mode = "quick" if args.quick else "full"
   seeds = args.seeds or (2 if args.quick else 5)
-  rounds = args.rounds or (2 if args.quick else 30)
+  rounds = args.rounds or (2 if args.quick else 60)
   tune_enabled = not (args.quick or args.no_tune)
   options = QUICK_COMPILER_OPTIONS if args.quick else None
   start = time.perf_counter()
@@ -984,7 +984,7 @@ def main(argv: list[str] | None = None) -> dict:
       contenders,
       smoke=args.quick,
       rounds=max(2, rounds // 2),
-      steps=2 if args.quick else 5,
+      steps=2 if args.quick else 3,
       compiler_options=options,
     )
   checks = check_targets(rows, contenders, overhead)
