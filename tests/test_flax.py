@@ -170,7 +170,8 @@ def test_linen_batch_stats_come_from_the_clean_pass():
   assert float(optax.tree.get(new_state.opt_state, "rho")) == pytest.approx(rho)
 
 
-def test_train_state_forwards_non_field_kwargs_only():
+def recording_state():
+  """A TrainState whose transform records the extra arguments it receives."""
   seen = {}
 
   def update_fn(updates, state, params=None, **extra_args):
@@ -178,7 +179,11 @@ def test_train_state_forwards_non_field_kwargs_only():
     return updates, state
 
   recorder = optax.GradientTransformationExtraArgs(lambda p: optax.EmptyState(), update_fn)
-  state = make_state(optax.chain(recorder, optax.sgd(LR)))
+  return make_state(optax.chain(recorder, optax.sgd(LR))), seen
+
+
+def test_train_state_forwards_non_field_kwargs_only():
+  state, seen = recording_state()
   grads = jax.tree.map(jnp.ones_like, state.params)
   new_stats = jax.tree.map(lambda s: s + 1.0, state.batch_stats)
 
@@ -523,14 +528,7 @@ def test_apply_gradients_rejects_a_misspelled_field(typo, field):
 
 def test_apply_gradients_forwards_names_far_from_every_field():
   # loss_fn is close-ish to apply_fn (0.53) and must still reach tx.update.
-  seen = {}
-
-  def update_fn(updates, state, params=None, **extra_args):
-    seen.update(extra_args)
-    return updates, state
-
-  recorder = optax.GradientTransformationExtraArgs(lambda p: optax.EmptyState(), update_fn)
-  state = make_state(optax.chain(recorder, optax.sgd(LR)))
+  state, seen = recording_state()
   grads = jax.tree.map(jnp.ones_like, state.params)
   state.apply_gradients(grads=grads, loss_fn=None, value_and_grad_fn=None, value=1.0, perturb=True)
   assert set(seen) == {"loss_fn", "value_and_grad_fn", "value", "perturb"}
