@@ -348,24 +348,24 @@ CONTENDERS: dict[str, Contender] = {
 DEFAULTS: dict[str, dict[float, dict[str, dict[str, float]]]] = {
   "digits": {
     0.2: {
-      "base": {"lr": 1e-3, "rho": 0.0},
-      "sam": {"lr": 1e-3, "rho": 0.4},
-      "gsam": {"lr": 1e-3, "rho": 0.2},
-      "msam": {"lr": 1e-3, "rho": 1.0},
+      "base": {"lr": 5e-4, "rho": 0.0},
+      "sam": {"lr": 5e-4, "rho": 0.2},
+      "gsam": {"lr": 5e-4, "rho": 0.2},
+      "msam": {"lr": 5e-4, "rho": 1.0},
     },
     0.4: {
-      "base": {"lr": 1e-3, "rho": 0.0},
-      "sam": {"lr": 1e-3, "rho": 0.4},
-      "gsam": {"lr": 1e-3, "rho": 0.2},
-      "msam": {"lr": 1e-3, "rho": 1.0},
+      "base": {"lr": 2.5e-4, "rho": 0.0},
+      "sam": {"lr": 2.5e-4, "rho": 0.1},
+      "gsam": {"lr": 2.5e-4, "rho": 0.1},
+      "msam": {"lr": 2.5e-4, "rho": 0.1},
     },
   },
   "mnist1d": {
     0.0: {
-      "base": {"lr": 5e-3, "rho": 0.0},
-      "sam": {"lr": 5e-3, "rho": 0.05},
-      "gsam": {"lr": 5e-3, "rho": 0.05},
-      "msam": {"lr": 5e-3, "rho": 1.0},
+      "base": {"lr": 4e-2, "rho": 0.0},
+      "sam": {"lr": 4e-2, "rho": 0.1},
+      "gsam": {"lr": 4e-2, "rho": 0.05},
+      "msam": {"lr": 4e-2, "rho": 1.0},
     },
   },
 }
