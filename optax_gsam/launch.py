@@ -129,6 +129,11 @@ def initialize(
   JAX's cluster detection (SLURM, Open MPI, Cloud TPU, Kubernetes). Call it
   before anything else touches JAX's backend.
 
+  One process (``num_processes=1`` or ``JAX_NUM_PROCESSES=1``, no coordinator)
+  starts no runtime, so the same script runs alone as well. With nothing set
+  and no cluster detected it raises a ``ValueError`` that says how to run the
+  script, rather than quietly training one independent copy per host.
+
   Args:
     coordinator_address: ``host:port`` of process 0's coordinator service.
     num_processes: the number of processes.
@@ -153,11 +158,26 @@ def initialize(
     num_processes = int(os.environ["JAX_NUM_PROCESSES"])
   if process_id is None and os.environ.get("JAX_PROCESS_ID"):
     process_id = int(os.environ["JAX_PROCESS_ID"])
+  if num_processes is not None and num_processes < 1:
+    raise ValueError(f"num_processes must be at least 1, got {num_processes}")
+  if num_processes == 1 and coordinator_address is None:
+    return  # nobody to connect to; jax.process_count() is 1 as it is
   if exit_on_uncaught_exception:
     _exit_now_on_uncaught_exception()
-  jax.distributed.initialize(
-    coordinator_address=coordinator_address, num_processes=num_processes, process_id=process_id
-  )
+  try:
+    jax.distributed.initialize(
+      coordinator_address=coordinator_address, num_processes=num_processes, process_id=process_id
+    )
+  except ValueError as error:
+    if coordinator_address is not None:
+      raise
+    raise ValueError(
+      "optax_gsam.launch.initialize: no coordinator_address was given, JAX_COORDINATOR_ADDRESS "
+      "is not set and JAX detected no cluster (SLURM, Open MPI, Cloud TPU, Kubernetes). Run the "
+      "script under `python -m optax_gsam.launch --local-processes N -- script.py`, pass "
+      "coordinator_address, num_processes and process_id, or, for a single process, set "
+      f"JAX_NUM_PROCESSES=1. (JAX said: {error})"
+    ) from error
 
 
 def _stream(index: int, pipe, tail: collections.deque, out: TextIO, lock: threading.Lock):

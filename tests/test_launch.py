@@ -152,3 +152,47 @@ def test_command_line_needs_a_command():
     launch._parse_args(["--local-processes", "2", "--"])
   args = launch._parse_args(["--local-processes", "2", "--", "a.py", "--b"])
   assert args.command == ["a.py", "--b"] and args.local_processes == 2
+
+
+def bare_environment(**extra: str) -> dict[str, str]:
+  """This environment without the variables of a launcher or a cluster JAX could detect."""
+  cluster = ("JAX_COORDINATOR", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "SLURM_", "OMPI_")
+  env = {k: v for k, v in os.environ.items() if not k.startswith((*cluster, "KUBERNETES_"))}
+  return env | {"JAX_PLATFORMS": "cpu"} | extra
+
+
+INITIALIZE_THEN_COUNT = python("""
+  import optax_gsam.launch
+  optax_gsam.launch.initialize()
+  import jax
+  print("processes", jax.process_count())
+""")
+
+
+def test_initialize_runs_a_single_process_when_told_there_is_one():
+  result = subprocess.run(
+    INITIALIZE_THEN_COUNT,
+    env=bare_environment(JAX_NUM_PROCESSES="1"),
+    capture_output=True,
+    text=True,
+    timeout=120,
+    cwd=ROOT,
+  )
+  assert result.returncode == 0, result.stderr
+  assert "processes 1" in result.stdout
+
+
+def test_initialize_without_a_coordinator_or_cluster_says_how_to_run_the_script():
+  result = subprocess.run(
+    INITIALIZE_THEN_COUNT, env=bare_environment(), capture_output=True, text=True, timeout=120
+  )
+  assert result.returncode == 1  # at once, through the exit hook
+  assert "processes" not in result.stdout
+  assert "no coordinator_address was given" in result.stderr
+  assert "python -m optax_gsam.launch" in result.stderr
+  assert "JAX_NUM_PROCESSES=1" in result.stderr
+
+
+def test_initialize_rejects_a_process_count_below_one():
+  with pytest.raises(ValueError, match="num_processes must be at least 1, got 0"):
+    launch.initialize(num_processes=0)
