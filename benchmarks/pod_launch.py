@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import sys
 import time
@@ -65,7 +66,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   parser.add_argument("--lr", type=float, default=3e-3)
   parser.add_argument("--sync-perturbation", action="store_true")
   parser.add_argument("--out", type=pathlib.Path, default=None)
-  return parser.parse_args(argv)
+  args = parser.parse_args(argv)
+  flags = {"--coordinator": args.coordinator, "--num-processes": args.num_processes}
+  flags["--process-id"] = args.process_id
+  given = [flag for flag, value in flags.items() if value is not None]
+  if given and not args.multihost:  # otherwise every host would train alone
+    parser.error(f"{', '.join(given)} need --multihost")
+  if given and args.coordinator is None and not os.environ.get("JAX_COORDINATOR_ADDRESS"):
+    parser.error(f"{', '.join(given)} need --coordinator HOST:PORT (or JAX_COORDINATOR_ADDRESS)")
+  if args.steps < 2:
+    parser.error(
+      f"--steps must be at least 2 (the learning rate warms up from 0), got {args.steps}"
+    )
+  return args
 
 
 def host_rows(sharding: jax.sharding.Sharding, global_batch: int) -> range:

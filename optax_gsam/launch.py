@@ -16,7 +16,9 @@ Process ``i`` gets the environment of the launcher plus:
   (an ``--xla_force_host_platform_device_count`` in ``XLA_FLAGS`` is dropped,
   so an inherited device count cannot override ``D``);
 * ``JAX_COORDINATOR_ADDRESS=127.0.0.1:PORT`` on a free port, which
-  ``jax.distributed.initialize`` reads itself;
+  ``jax.distributed.initialize`` reads itself, and the same
+  ``JAX_COORDINATOR_BIND_ADDRESS``, so that the coordinator listens on loopback
+  only;
 * ``JAX_NUM_PROCESSES=N`` and ``JAX_PROCESS_ID=i``, which :func:`initialize`
   reads (``jax.distributed.initialize`` has no variables for them).
 
@@ -24,14 +26,17 @@ So a script that calls :func:`initialize` runs unchanged under this launcher,
 under SLURM or Open MPI, and on Cloud TPU, where JAX detects the cluster.
 
 Each line a process prints is streamed with a ``[proc i]`` prefix. The
-launcher exits with the first non-zero exit status (128 + N for signal N) and
-ends every other process with its descendants (each runs in its own session,
-and gets SIGTERM, then SIGKILL after ``--grace`` seconds, since JAX catches
-SIGTERM as a preemption notice). This matters: when one process dies, the
-others wait in a collective until JAX's heartbeat timeout (100 s by default),
-and a process that raises waits in JAX's shutdown barrier (300 s by default)
-unless it exits at once, which :func:`initialize` arranges. ``--timeout``
-bounds the whole run.
+launcher exits with the status of the process that failed first (128 + N for
+signal N) and ends every other process with its descendants (each runs in its
+own session, and gets SIGTERM, then SIGKILL after ``--grace`` seconds, since
+JAX catches SIGTERM as a preemption notice). This matters: when one process
+dies, the others wait in a collective until JAX's heartbeat timeout (100 s by
+default), and a process that raises or calls ``sys.exit(n)`` waits in JAX's
+shutdown barrier (300 s by default) unless it exits at once, which
+:func:`initialize` arranges. SIGINT, SIGTERM and SIGHUP to the launcher stop
+the job the same way (exit status 128 + the signal); on Linux the kernel also
+kills each process if the launcher dies. ``--timeout S`` stops every process
+after S seconds (status 124).
 
 This module needs only the standard library (and JAX for :func:`initialize`).
 """
@@ -40,13 +45,16 @@ from __future__ import annotations
 
 import argparse
 import collections
+import ctypes
 import os
+import queue
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from collections.abc import Mapping
 from collections.abc import Sequence
 from typing import TextIO
@@ -95,6 +103,8 @@ def process_env(
     JAX_NUM_CPU_DEVICES=str(devices_per_process),
     JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo",
     JAX_COORDINATOR_ADDRESS=coordinator_address,
+    # JAX binds the coordinator service to every interface unless told otherwise.
+    JAX_COORDINATOR_BIND_ADDRESS=coordinator_address,
     JAX_NUM_PROCESSES=str(num_processes),
     JAX_PROCESS_ID=str(process_id),
     PYTHONUNBUFFERED="1",  # lines reach the launcher as they are printed
@@ -102,17 +112,43 @@ def process_env(
   return env
 
 
-def _exit_now_on_uncaught_exception() -> None:
-  """Print the traceback and exit with status 1, skipping JAX's shutdown barrier."""
-  previous = sys.excepthook
+def _exit_now(status: int) -> None:
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os._exit(status)  # atexit would wait up to 300 s for processes that will never arrive
+
+
+def _exit_now_on_failure() -> None:
+  """An uncaught exception or a non-zero ``sys.exit`` ends the process at once.
+
+  Both would otherwise run JAX's atexit shutdown barrier, which waits for every
+  other process while those wait in a collective for this one.
+  """
+  previous_hook, previous_exit = sys.excepthook, sys.exit
 
   def hook(kind, value, traceback):
-    previous(kind, value, traceback)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(1)  # atexit would wait up to 300 s for processes that will never arrive
+    previous_hook(kind, value, traceback)
+    _exit_now(1)
 
-  sys.excepthook = hook
+  def exit_(status=None):
+    if status is None or status == 0:
+      previous_exit(status)  # a clean exit meets the others in the barrier
+    if not isinstance(status, int):
+      print(status, file=sys.stderr)  # as sys.exit("message") does
+      status = 1
+    _exit_now(status)
+
+  sys.excepthook, sys.exit = hook, exit_
+
+
+def _int_from_env(name: str) -> int | None:
+  value = os.environ.get(name)
+  if not value:
+    return None
+  try:
+    return int(value)
+  except ValueError:
+    raise ValueError(f"{name} must be an integer, got {value!r}") from None
 
 
 def initialize(
@@ -138,9 +174,11 @@ def initialize(
     coordinator_address: ``host:port`` of process 0's coordinator service.
     num_processes: the number of processes.
     process_id: this process's index.
-    exit_on_uncaught_exception: make an uncaught exception end this process at
-      once (status 1, traceback printed) instead of waiting in JAX's shutdown
-      barrier for the other processes, so a launcher or scheduler sees it.
+    exit_on_uncaught_exception: make an uncaught exception (status 1, traceback
+      printed) or a non-zero ``sys.exit(status)`` end this process at once
+      instead of waiting in JAX's shutdown barrier for the other processes, so a
+      launcher or scheduler sees it. ``sys.exit`` is wrapped for this; a bare
+      ``raise SystemExit(status)`` still waits in the barrier (up to 300 s).
 
   Example:
     A script run by ``python -m optax_gsam.launch ... -- script.py``::
@@ -154,16 +192,16 @@ def initialize(
 
   if coordinator_address is None:
     coordinator_address = os.environ.get("JAX_COORDINATOR_ADDRESS") or None
-  if num_processes is None and os.environ.get("JAX_NUM_PROCESSES"):
-    num_processes = int(os.environ["JAX_NUM_PROCESSES"])
-  if process_id is None and os.environ.get("JAX_PROCESS_ID"):
-    process_id = int(os.environ["JAX_PROCESS_ID"])
+  if num_processes is None:
+    num_processes = _int_from_env("JAX_NUM_PROCESSES")
+  if process_id is None:
+    process_id = _int_from_env("JAX_PROCESS_ID")
   if num_processes is not None and num_processes < 1:
     raise ValueError(f"num_processes must be at least 1, got {num_processes}")
   if num_processes == 1 and coordinator_address is None:
     return  # nobody to connect to; jax.process_count() is 1 as it is
   if exit_on_uncaught_exception:
-    _exit_now_on_uncaught_exception()
+    _exit_now_on_failure()
   try:
     jax.distributed.initialize(
       coordinator_address=coordinator_address, num_processes=num_processes, process_id=process_id
@@ -181,14 +219,29 @@ def initialize(
 
 
 def _stream(index: int, pipe, tail: collections.deque, out: TextIO, lock: threading.Lock):
-  """Copies one process's output to ``out`` line by line, with its prefix."""
+  """Copies one process's output to ``out`` line by line, with its prefix.
+
+  When ``out`` closes (``| head``) the lines are still read and dropped: a pipe
+  nobody drains would block the process on its next print.
+  """
+  writable = True
   for raw in iter(pipe.readline, b""):
     line = raw.decode(errors="replace").rstrip("\n")
     tail.append(line)
-    with lock:
-      out.write(f"[proc {index}] {line}\n")
-      out.flush()
+    if writable:
+      with lock:
+        writable = _write(out, f"[proc {index}] {line}\n")
   pipe.close()
+
+
+def _write(stream: TextIO, text: str) -> bool:
+  """Writes and flushes; False when the stream is closed or its reader has gone."""
+  try:
+    stream.write(text)
+    stream.flush()
+  except (OSError, ValueError):
+    return False
+  return True
 
 
 def _signal_group(process: subprocess.Popen, sig: int) -> None:
@@ -203,11 +256,13 @@ def _stop(processes: Sequence[subprocess.Popen], grace: float) -> None:
   for process in processes:
     _signal_group(process, signal.SIGTERM)
   deadline = time.monotonic() + grace
-  while time.monotonic() < deadline and any(p.poll() is None for p in processes):
-    time.sleep(_POLL_S)
-  for process in processes:
-    _signal_group(process, signal.SIGKILL)  # also reaches descendants of exited leaders
-    process.wait()
+  try:
+    while time.monotonic() < deadline and any(p.poll() is None for p in processes):
+      time.sleep(_POLL_S)
+  finally:  # a second Ctrl-C cuts the grace period short, never the SIGKILL
+    for process in processes:
+      _signal_group(process, signal.SIGKILL)  # also reaches descendants of exited leaders
+      process.wait()
 
 
 def _exit_status(returncode: int) -> int:
@@ -217,8 +272,30 @@ def _exit_status(returncode: int) -> int:
 
 def _describe(returncode: int) -> str:
   if returncode < 0:
-    return f"was killed by {signal.Signals(-returncode).name}"
+    try:
+      name = signal.Signals(-returncode).name
+    except ValueError:  # real-time signals have no name
+      name = f"signal {-returncode}"
+    return f"was killed by {name}"
   return f"exited with status {returncode}"
+
+
+def _die_with_parent() -> Callable[[], None] | None:
+  """A ``preexec_fn`` that has Linux SIGKILL the child when the launcher dies.
+
+  It covers what ``finally`` cannot: the launcher itself killed by SIGKILL.
+  """
+  if not sys.platform.startswith("linux"):
+    return None
+  libc = ctypes.CDLL(None, use_errno=True)
+  launcher = os.getpid()
+
+  def preexec():
+    libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != launcher:  # the launcher died before prctl took effect
+      os._exit(1)
+
+  return preexec
 
 
 def launch(
@@ -259,7 +336,9 @@ def launch(
     command.insert(0, sys.executable)
   coordinator = f"127.0.0.1:{port or free_port()}"
   lock = threading.Lock()
+  exits: queue.SimpleQueue[int] = queue.SimpleQueue()  # process indices, in the order they end
   processes, tails, readers = [], [], []
+  preexec = _die_with_parent()
   try:
     for i in range(num_processes):
       env = process_env(i, num_processes, coordinator, devices_per_process)
@@ -270,54 +349,61 @@ def launch(
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         start_new_session=True,  # its own process group, which _stop signals as a whole
+        preexec_fn=preexec,
       )
-      tail = collections.deque(maxlen=_TAIL_LINES)
-      reader = threading.Thread(target=_stream, args=(i, process.stdout, tail, out, lock))
-      reader.daemon = True
-      reader.start()
       processes.append(process)
+    # Threads start after every fork: preexec_fn is not safe while other threads run.
+    for i, process in enumerate(processes):
+      tail = collections.deque(maxlen=_TAIL_LINES)
+      reader = threading.Thread(
+        target=_stream, args=(i, process.stdout, tail, out, lock), daemon=True
+      )
+      reader.start()
+      waiter = threading.Thread(target=lambda i=i, p=process: (p.wait(), exits.put(i)), daemon=True)
+      waiter.start()
       tails.append(tail)
       readers.append(reader)
-    status = _watch(processes, tails, readers, timeout, grace, err, lock)
+    status = _watch(processes, exits, tails, readers, timeout, grace, err, lock)
   finally:
-    _stop(processes, grace)  # nothing outlives the launcher, even on KeyboardInterrupt
+    _stop(processes, grace)  # also on Ctrl-C (a SIGKILLed launcher: _die_with_parent)
     for reader in readers:
       reader.join(timeout=5)
   return status
 
 
-def _watch(processes, tails, readers, timeout, grace, err, lock) -> int:
+def _watch(processes, exits, tails, readers, timeout, grace, err, lock) -> int:
   """Waits for all processes to succeed, or for the first failure or the timeout."""
   deadline = None if timeout is None else time.monotonic() + timeout
-  while True:
-    codes = [p.poll() for p in processes]
-    failed = [i for i, code in enumerate(codes) if code not in (None, 0)]
-    if failed:
-      first = failed[0]
-      code = codes[first]
+  succeeded = 0
+  while succeeded < len(processes):
+    wait = 0.5 if deadline is None else min(0.5, deadline - time.monotonic())
+    if wait <= 0:
+      running = [i for i, p in enumerate(processes) if p.poll() is None]
       with lock:
-        err.write(
-          f"[launch] process {first} (pid {processes[first].pid}) {_describe(code)}; "
-          "stopping the others.\n"
-        )
-        err.flush()
-      _stop(processes, grace)
-      readers[first].join(timeout=2)  # its last lines, before they are summarised
-      with lock:
-        err.write(f"[launch] last output of process {first}:\n")
-        err.writelines(f"[launch]   {line}\n" for line in tails[first])
-        err.flush()
-      return _exit_status(code)
-    if all(code == 0 for code in codes):
-      return 0
-    if deadline is not None and time.monotonic() > deadline:
-      running = [i for i, code in enumerate(codes) if code is None]
-      with lock:
-        err.write(f"[launch] timeout after {timeout:g} s; stopping processes {running}.\n")
-        err.flush()
+        _write(err, f"[launch] timeout after {timeout:g} s; stopping processes {running}.\n")
       _stop(processes, grace)
       return 124
-    time.sleep(_POLL_S)
+    try:
+      first = exits.get(timeout=wait)  # short waits: Ctrl-C stays responsive
+    except queue.Empty:
+      continue
+    code = processes[first].returncode
+    if code == 0:
+      succeeded += 1
+      continue
+    with lock:
+      _write(
+        err,
+        f"[launch] process {first} (pid {processes[first].pid}) {_describe(code)}; "
+        "stopping the others.\n",
+      )
+    _stop(processes, grace)
+    readers[first].join(timeout=2)  # its last lines, before they are summarised
+    with lock:
+      lines = "".join(f"[launch]   {line}\n" for line in tails[first])
+      _write(err, f"[launch] last output of process {first}:\n{lines}")
+    return _exit_status(code)
+  return 0
 
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -332,6 +418,9 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   parser.add_argument("--port", type=int, default=None, help="coordinator port; default: free")
   parser.add_argument("command", nargs=argparse.REMAINDER, help="-- script.py [args...]")
   args = parser.parse_args(argv)
+  for flag in ("local_processes", "devices_per_process"):
+    if getattr(args, flag) < 1:
+      parser.error(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
   if args.command[:1] == ["--"]:
     args.command = args.command[1:]
   if not args.command:
@@ -342,11 +431,16 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
   """The command line: ``python -m optax_gsam.launch --local-processes N ... -- command``."""
   args = _parse_args(argv)
+  received: list[int] = []
 
-  def stop_on_sigterm(signum, frame):
-    raise KeyboardInterrupt  # unwinds through launch(), which stops every process
+  def stop(signum, frame):
+    received.append(signum)
+    if len(received) == 1:
+      raise KeyboardInterrupt  # unwinds through launch(), which stops every process
+    # A second signal: launch() is already stopping; its SIGKILL must not be cut short.
 
-  signal.signal(signal.SIGTERM, stop_on_sigterm)
+  for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+    signal.signal(signum, stop)
   try:
     return launch(
       args.command,
@@ -357,7 +451,10 @@ def main(argv: Sequence[str] | None = None) -> int:
       port=args.port,
     )
   except KeyboardInterrupt:
-    return 130
+    return 128 + (received[0] if received else signal.SIGINT)
+  except OSError as error:  # the command could not be started
+    _write(sys.stderr, f"[launch] cannot run {args.command[0]!r}: {error}\n")
+    return 127
 
 
 if __name__ == "__main__":

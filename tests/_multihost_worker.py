@@ -11,9 +11,9 @@ process and compares. All inputs are the same on every process (seeded), and
 each process hands JAX only its own rows of every batch
 (``jax.make_array_from_process_local_data``), as a pod's input pipeline does.
 
-``--crash kill`` or ``--crash raise`` makes process 1 die (SIGKILL, or an
-uncaught exception) while process 0 waits in collectives, which would hang
-without the launcher.
+``--crash kill``, ``--crash raise`` or ``--crash exit`` makes process 1 die
+(SIGKILL, an uncaught exception, or ``sys.exit(3)``) while process 0 waits in
+collectives, which would hang without the launcher.
 """
 
 from __future__ import annotations
@@ -212,13 +212,15 @@ def crash(how: str) -> None:
       print(f"process 1 dies now ({how})", flush=True)
       if how == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
+      if how == "exit":
+        sys.exit(3)  # without initialize's exit hook: 300 s in JAX's shutdown barrier
       raise RuntimeError("process 1 fails on purpose")
 
 
 def main(argv: list[str] | None = None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("out_dir", type=pathlib.Path)
-  parser.add_argument("--crash", choices=("kill", "raise"), default=None)
+  parser.add_argument("--crash", choices=("kill", "raise", "exit"), default=None)
   args = parser.parse_args(argv)
   import optax_gsam.launch
 

@@ -7,6 +7,7 @@ tests/test_multihost.py runs the launcher on real JAX processes.
 import io
 import os
 import pathlib
+import signal
 import subprocess
 import sys
 import textwrap
@@ -33,8 +34,8 @@ def is_gone(pid: int) -> bool:
   return status.exists() and "\nState:\tZ" in status.read_text()
 
 
-def run(command, **kwargs):
-  out, err = io.StringIO(), io.StringIO()
+def run(command, out=None, **kwargs):
+  out, err = out or io.StringIO(), io.StringIO()
   start = time.monotonic()
   status = launch.launch(command, out=out, err=err, **kwargs)
   return status, out.getvalue(), err.getvalue(), time.monotonic() - start
@@ -45,7 +46,7 @@ def test_process_env_sets_the_runtime_and_drops_an_inherited_device_count():
   env = launch.process_env(1, 2, "127.0.0.1:1234", 4, base=base)
   assert env["JAX_PLATFORMS"] == "cpu" and env["JAX_NUM_CPU_DEVICES"] == "4"
   assert env["JAX_CPU_COLLECTIVES_IMPLEMENTATION"] == "gloo"
-  assert env["JAX_COORDINATOR_ADDRESS"] == "127.0.0.1:1234"
+  assert env["JAX_COORDINATOR_ADDRESS"] == env["JAX_COORDINATOR_BIND_ADDRESS"] == "127.0.0.1:1234"
   assert (env["JAX_NUM_PROCESSES"], env["JAX_PROCESS_ID"]) == ("2", "1")
   assert env["XLA_FLAGS"] == "--xla_cpu_foo=1" and env["HOME"] == "/h"
   assert base["XLA_FLAGS"].startswith("--xla_force_host")  # the caller's mapping is untouched
@@ -196,3 +197,109 @@ def test_initialize_without_a_coordinator_or_cluster_says_how_to_run_the_script(
 def test_initialize_rejects_a_process_count_below_one():
   with pytest.raises(ValueError, match="num_processes must be at least 1, got 0"):
     launch.initialize(num_processes=0)
+
+
+def test_the_first_process_to_fail_is_reported_even_when_another_fails_ms_later(tmp_path):
+  marker = tmp_path / "process_1_exits"
+  code = f"""
+    import os, pathlib, sys, time
+    marker = pathlib.Path({str(marker)!r})
+    if os.environ["JAX_PROCESS_ID"] == "1":
+      marker.touch()
+      sys.exit(3)
+    while not marker.exists():
+      time.sleep(0.001)
+    time.sleep(0.01)  # well inside one poll period of a launcher that polls
+    sys.exit(1)
+  """
+  status, _, err, _ = run(python(code), num_processes=2, grace=1.0)
+  assert status == 3, err
+  assert "process 1" in err and "exited with status 3" in err
+
+
+def test_a_signal_without_a_name_is_reported():
+  code = """
+    import os, signal
+    os.kill(os.getpid(), signal.SIGRTMIN + 6)
+  """
+  status, _, err, _ = run(python(code), num_processes=1)
+  number = int(__import__("signal").SIGRTMIN) + 6
+  assert status == 128 + number
+  assert f"was killed by signal {number}" in err
+
+
+class ClosedPipe(io.StringIO):
+  def write(self, text):
+    raise BrokenPipeError(32, "Broken pipe")
+
+
+def test_a_closed_output_does_not_block_the_processes():
+  code = """
+    for i in range(100_000):  # far more than a pipe buffer holds
+      print("x" * 50, i)
+  """
+  status, _, err, seconds = run(python(code), num_processes=2, timeout=60, out=ClosedPipe())
+  assert status == 0, err
+  assert seconds < 30
+
+
+IGNORES_SIGTERM = """
+  import os, signal, time
+  signal.signal(signal.SIGTERM, signal.SIG_IGN)  # as JAX does: a preemption notice
+  print("pid", os.getpid(), flush=True)
+  time.sleep(600)
+"""
+
+
+def start_launcher(*options):
+  """The command-line launcher over two children that ignore SIGTERM, and their pids."""
+  command = [sys.executable, "-m", "optax_gsam.launch", "--local-processes", "2", *options, "--"]
+  launcher = subprocess.Popen(
+    [*command, *python(IGNORES_SIGTERM)], stdout=subprocess.PIPE, text=True, cwd=ROOT
+  )
+  pids = [int(launcher.stdout.readline().split()[-1]) for _ in range(2)]
+  return launcher, pids
+
+
+def wait_until_gone(pids, seconds=10):
+  deadline = time.monotonic() + seconds
+  while not all(map(is_gone, pids)) and time.monotonic() < deadline:
+    time.sleep(0.05)
+  return [pid for pid in pids if not is_gone(pid)]
+
+
+def test_a_second_sigterm_does_not_leave_the_processes_running():
+  launcher, pids = start_launcher("--grace", "3")
+  launcher.send_signal(signal.SIGTERM)
+  time.sleep(0.5)  # inside the grace period
+  launcher.send_signal(signal.SIGTERM)
+  assert launcher.wait(timeout=30) == 128 + signal.SIGTERM
+  assert wait_until_gone(pids) == []
+
+
+def test_the_processes_die_with_a_killed_launcher():
+  launcher, pids = start_launcher()
+  launcher.kill()  # no finally runs: the kernel's parent-death signal ends them
+  launcher.wait(timeout=30)
+  assert wait_until_gone(pids) == []
+
+
+def test_command_line_errors_name_the_flag_or_the_program(capsys):
+  with pytest.raises(SystemExit):
+    launch._parse_args(["--local-processes", "0", "--", "a.py"])
+  assert "--local-processes must be at least 1, got 0" in capsys.readouterr().err
+  result = subprocess.run(
+    [sys.executable, "-m", "optax_gsam.launch", "--local-processes", "1", "--", "/no/such/program"],
+    capture_output=True,
+    text=True,
+    timeout=120,
+    cwd=ROOT,
+  )
+  assert result.returncode == 127
+  assert "[launch] cannot run '/no/such/program'" in result.stderr
+
+
+def test_initialize_names_a_variable_that_is_not_an_integer(monkeypatch):
+  monkeypatch.setenv("JAX_NUM_PROCESSES", "two")
+  with pytest.raises(ValueError, match="JAX_NUM_PROCESSES must be an integer, got 'two'"):
+    launch.initialize()

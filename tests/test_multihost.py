@@ -87,14 +87,16 @@ def test_two_processes_match_one_process(tmp_path):
   print(f"2 x 4 launch: {seconds:.1f} s")
 
 
-@pytest.mark.parametrize("how", ["kill", "raise"])
+@pytest.mark.parametrize("how", ["kill", "raise", "exit"])
 def test_a_dead_process_ends_the_job_within_the_bound(tmp_path, how):
   result, seconds = launch_worker(tmp_path, "--crash", how, timeout_s=120)
   assert seconds < 60, f"the launcher took {seconds:.0f} s"
-  assert result.returncode == (128 + 9 if how == "kill" else 1)
+  assert result.returncode == {"kill": 128 + 9, "raise": 1, "exit": 3}[how]
   assert "[launch] process 1 (pid" in result.stderr
   if how == "kill":
     assert "killed by SIGKILL" in result.stderr
-  else:  # the traceback, not a 300 s wait in JAX's shutdown barrier
+  elif how == "raise":  # the traceback, not a 300 s wait in JAX's shutdown barrier
     assert "exited with status 1" in result.stderr
     assert "RuntimeError: process 1 fails on purpose" in result.stderr
+  else:  # sys.exit(3), at once rather than after JAX's shutdown barrier
+    assert "exited with status 3" in result.stderr

@@ -2,12 +2,16 @@
 
 import importlib.util
 import json
+import os
 import pathlib
 import re
 import subprocess
 import sys
 
 import numpy as np
+import pytest
+
+from optax_gsam import launch
 
 BENCHMARKS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
 
@@ -72,6 +76,47 @@ def test_pod_launch_as_two_processes_prints_the_losses_of_one(tmp_path):
   printed = re.findall(r"^\[proc (\d)\] step (\d) loss (\S+)$", result.stdout, re.M)
   assert [(p, s) for p, s, _ in printed] == [("0", "1"), ("0", "2"), ("0", "3")]  # process 0's
   np.testing.assert_allclose([float(x) for *_, x in printed], one["losses"], atol=2e-6)
+
+  # The same job started by hand, one command per host, with flags instead of the launcher's
+  # variables (docs/distributed.md, "Without the launcher").
+  env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_FLAGS"))}
+  coordinator = f"127.0.0.1:{launch.free_port()}"
+  host = [sys.executable, "benchmarks/pod_launch.py", "--multihost", "--cpu-devices", "4", *tiny]
+  host += ["--coordinator", coordinator, "--num-processes", "2"]
+  hosts = [
+    [*host, "--process-id", str(i), "--out", str(tmp_path / f"by_hand_{i}.json")] for i in range(2)
+  ]
+  processes = [
+    subprocess.Popen(
+      host, env=env, cwd=BENCHMARKS.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
+    for host in hosts
+  ]
+  try:
+    outputs = [process.communicate(timeout=300)[0].decode()[-3000:] for process in processes]
+  finally:
+    for process in processes:
+      process.kill()
+  assert [process.returncode for process in processes] == [0, 0], outputs
+  by_hand = json.loads((tmp_path / "by_hand_0.json").read_text())  # process 0 writes it
+  assert by_hand["devices"] == 8 and by_hand["processes"] == 2
+  np.testing.assert_allclose(by_hand["losses"], one["losses"], rtol=1e-5)
+
+
+def test_pod_launch_rejects_flags_that_would_train_every_host_alone(capsys):
+  parse_args = load("pod_launch").parse_args
+  for argv, message in [
+    (
+      ["--coordinator", "h:1", "--num-processes", "2"],
+      "--coordinator, --num-processes need --multihost",
+    ),
+    (["--multihost", "--process-id", "0"], "--process-id need --coordinator HOST:PORT"),
+    (["--steps", "1"], "--steps must be at least 2"),
+  ]:
+    with pytest.raises(SystemExit):
+      parse_args(argv)
+    assert message in capsys.readouterr().err
+  assert parse_args(["--multihost", "--coordinator", "h:1", "--process-id", "1"]).process_id == 1
 
 
 def test_collective_counts_per_device_vs_synchronized(tmp_path):
