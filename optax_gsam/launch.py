@@ -45,16 +45,15 @@ from __future__ import annotations
 
 import argparse
 import collections
-import ctypes
 import os
 import queue
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
 from collections.abc import Mapping
 from collections.abc import Sequence
 from typing import TextIO
@@ -280,22 +279,27 @@ def _describe(returncode: int) -> str:
   return f"exited with status {returncode}"
 
 
-def _die_with_parent() -> Callable[[], None] | None:
-  """A ``preexec_fn`` that has Linux SIGKILL the child when the launcher dies.
+# Run by a fresh interpreter in front of each command: it asks Linux to SIGKILL it when the
+# launcher dies (the setting survives exec), then becomes the command. Doing this in a
+# preexec_fn instead would run Python in a child forked from a multithreaded parent.
+_EXEC_WITH_PARENT_DEATH_SIGNAL = """
+import ctypes, os, sys
+ctypes.CDLL(None).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
+if os.getppid() != int(sys.argv[1]):
+  os._exit(1)  # the launcher died before prctl took effect
+os.execvp(sys.argv[2], sys.argv[2:])
+"""
+
+
+def _dies_with_launcher(command: list[str]) -> list[str]:
+  """``command``, run so that it is killed when the launcher dies (on Linux).
 
   It covers what ``finally`` cannot: the launcher itself killed by SIGKILL.
   """
   if not sys.platform.startswith("linux"):
-    return None
-  libc = ctypes.CDLL(None, use_errno=True)
-  launcher = os.getpid()
-
-  def preexec():
-    libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    if os.getppid() != launcher:  # the launcher died before prctl took effect
-      os._exit(1)
-
-  return preexec
+    return command
+  launcher = str(os.getpid())
+  return [sys.executable, "-S", "-c", _EXEC_WITH_PARENT_DEATH_SIGNAL, launcher, *command]
 
 
 def launch(
@@ -325,6 +329,11 @@ def launch(
   Returns:
     0 when every process exits with 0; otherwise the exit status of the first
     process that failed (128 + N for signal N), or 124 on timeout.
+
+  Raises:
+    ValueError: ``num_processes`` or ``devices_per_process`` below 1, or an
+      empty ``command``.
+    FileNotFoundError: the program is not an executable file or on ``PATH``.
   """
   if num_processes < 1 or devices_per_process < 1:
     raise ValueError("num_processes and devices_per_process must be >= 1.")
@@ -334,25 +343,26 @@ def launch(
   command = list(command)
   if command[0].endswith(".py"):
     command.insert(0, sys.executable)
+  if shutil.which(command[0]) is None:
+    raise FileNotFoundError(
+      f"cannot run {command[0]!r}: not an executable file or a program on PATH"
+    )
   coordinator = f"127.0.0.1:{port or free_port()}"
   lock = threading.Lock()
   exits: queue.SimpleQueue[int] = queue.SimpleQueue()  # process indices, in the order they end
   processes, tails, readers = [], [], []
-  preexec = _die_with_parent()
   try:
     for i in range(num_processes):
       env = process_env(i, num_processes, coordinator, devices_per_process)
       process = subprocess.Popen(
-        command,
+        _dies_with_launcher(command),
         env=env,
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         start_new_session=True,  # its own process group, which _stop signals as a whole
-        preexec_fn=preexec,
       )
       processes.append(process)
-    # Threads start after every fork: preexec_fn is not safe while other threads run.
     for i, process in enumerate(processes):
       tail = collections.deque(maxlen=_TAIL_LINES)
       reader = threading.Thread(
@@ -365,7 +375,7 @@ def launch(
       readers.append(reader)
     status = _watch(processes, exits, tails, readers, timeout, grace, err, lock)
   finally:
-    _stop(processes, grace)  # also on Ctrl-C (a SIGKILLed launcher: _die_with_parent)
+    _stop(processes, grace)  # also on Ctrl-C (a SIGKILLed launcher: _dies_with_launcher)
     for reader in readers:
       reader.join(timeout=5)
   return status
@@ -453,7 +463,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   except KeyboardInterrupt:
     return 128 + (received[0] if received else signal.SIGINT)
   except OSError as error:  # the command could not be started
-    _write(sys.stderr, f"[launch] cannot run {args.command[0]!r}: {error}\n")
+    _write(sys.stderr, f"[launch] {error}\n")
     return 127
 
 
