@@ -34,8 +34,10 @@ dies, the others wait in a collective until JAX's heartbeat timeout (100 s by
 default), and a process that raises or calls ``sys.exit(n)`` waits in JAX's
 shutdown barrier (300 s by default) unless it exits at once, which
 :func:`initialize` arranges. SIGINT, SIGTERM and SIGHUP to the launcher stop
-the job the same way (exit status 128 + the signal); on Linux the kernel also
-kills each process if the launcher dies. ``--timeout S`` stops every process
+the job the same way (exit status 128 + the signal; one that the launcher
+inherits as ignored, as under ``nohup``, stays ignored). On Linux the kernel
+also kills each process the launcher started (not what those start) if the
+launcher dies. ``--timeout S`` stops every process
 after S seconds (status 124).
 
 This module needs only the standard library (and JAX for :func:`initialize`).
@@ -44,6 +46,7 @@ This module needs only the standard library (and JAX for :func:`initialize`).
 from __future__ import annotations
 
 import argparse
+import atexit
 import collections
 import os
 import queue
@@ -112,32 +115,47 @@ def process_env(
 
 
 def _exit_now(status: int) -> None:
-  sys.stdout.flush()
-  sys.stderr.flush()
-  os._exit(status)  # atexit would wait up to 300 s for processes that will never arrive
+  for stream in (sys.stdout, sys.stderr):
+    try:
+      stream.flush()
+    except (OSError, ValueError):  # its reader has gone: exit all the same
+      pass
+  os._exit(status)  # JAX's atexit barrier would wait up to 300 s for processes that never arrive
 
 
 def _exit_now_on_failure() -> None:
-  """An uncaught exception or a non-zero ``sys.exit`` ends the process at once.
+  """An uncaught exception or a non-zero ``sys.exit`` skips JAX's shutdown barrier.
 
   Both would otherwise run JAX's atexit shutdown barrier, which waits for every
-  other process while those wait in a collective for this one.
+  other process while those wait in a collective for this one. An uncaught
+  exception exits once its traceback is printed. A non-zero ``sys.exit`` in the
+  main thread raises ``SystemExit`` as usual (``finally`` blocks and ``with``
+  exits run) and records its status; an atexit hook registered after JAX's
+  (so it runs before it) then exits with that status. Must run after
+  ``import jax``.
   """
   previous_hook, previous_exit = sys.excepthook, sys.exit
+  failed: list[int] = []
 
   def hook(kind, value, traceback):
     previous_hook(kind, value, traceback)
     _exit_now(1)
 
   def exit_(status=None):
-    if status is None or status == 0:
-      previous_exit(status)  # a clean exit meets the others in the barrier
-    if not isinstance(status, int):
-      print(status, file=sys.stderr)  # as sys.exit("message") does
-      status = 1
-    _exit_now(status)
+    if status not in (None, 0) and threading.current_thread() is threading.main_thread():
+      failed.append(status if isinstance(status, int) else 1)  # sys.exit("message") gives 1
+    previous_exit(status)
 
+  def skip_barrier():
+    if failed:
+      _exit_now(failed[-1])
+
+  atexit.register(skip_barrier)
   sys.excepthook, sys.exit = hook, exit_
+
+
+def _port(address: str) -> str:
+  return address.rsplit(":", 1)[-1]
 
 
 def _int_from_env(name: str) -> int | None:
@@ -176,8 +194,11 @@ def initialize(
     exit_on_uncaught_exception: make an uncaught exception (status 1, traceback
       printed) or a non-zero ``sys.exit(status)`` end this process at once
       instead of waiting in JAX's shutdown barrier for the other processes, so a
-      launcher or scheduler sees it. ``sys.exit`` is wrapped for this; a bare
-      ``raise SystemExit(status)`` still waits in the barrier (up to 300 s).
+      launcher or scheduler sees it. ``finally`` blocks and ``with`` exits
+      still run. ``sys.exit`` is wrapped for this (in the main thread only): a
+      bare ``raise SystemExit(status)`` still waits in the barrier (up to
+      300 s), and a non-zero ``sys.exit`` that the script catches and survives
+      still sets the status the process ends with.
 
   Example:
     A script run by ``python -m optax_gsam.launch ... -- script.py``::
@@ -201,9 +222,16 @@ def initialize(
     return  # nobody to connect to; jax.process_count() is 1 as it is
   if exit_on_uncaught_exception:
     _exit_now_on_failure()
+  bind_address = None
+  inherited = os.environ.get("JAX_COORDINATOR_BIND_ADDRESS", "")
+  if coordinator_address and inherited and _port(inherited) != _port(coordinator_address):
+    bind_address = f"[::]:{_port(coordinator_address)}"  # JAX's default; not the launcher's port
   try:
     jax.distributed.initialize(
-      coordinator_address=coordinator_address, num_processes=num_processes, process_id=process_id
+      coordinator_address=coordinator_address,
+      num_processes=num_processes,
+      process_id=process_id,
+      coordinator_bind_address=bind_address,
     )
   except ValueError as error:
     if coordinator_address is not None:
@@ -258,7 +286,7 @@ def _stop(processes: Sequence[subprocess.Popen], grace: float) -> None:
   try:
     while time.monotonic() < deadline and any(p.poll() is None for p in processes):
       time.sleep(_POLL_S)
-  finally:  # a second Ctrl-C cuts the grace period short, never the SIGKILL
+  finally:  # also when interrupted: the grace period may end early, the SIGKILL may not
     for process in processes:
       _signal_group(process, signal.SIGKILL)  # also reaches descendants of exited leaders
       process.wait()
@@ -283,11 +311,17 @@ def _describe(returncode: int) -> str:
 # launcher dies (the setting survives exec), then becomes the command. Doing this in a
 # preexec_fn instead would run Python in a child forked from a multithreaded parent.
 _EXEC_WITH_PARENT_DEATH_SIGNAL = """
-import ctypes, os, sys
+import ctypes, errno, os, signal, sys
 ctypes.CDLL(None).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
 if os.getppid() != int(sys.argv[1]):
   os._exit(1)  # the launcher died before prctl took effect
-os.execvp(sys.argv[2], sys.argv[2:])
+for name in ("SIGPIPE", "SIGXFSZ"):  # Python ignores them; an ignored signal survives exec
+  signal.signal(getattr(signal, name), signal.SIG_DFL)
+try:
+  os.execvp(sys.argv[2], sys.argv[2:])
+except OSError as error:
+  print(f"[launch] cannot run {sys.argv[2]!r}: {error}", file=sys.stderr, flush=True)
+  os._exit(127 if error.errno == errno.ENOENT else 126)
 """
 
 
@@ -299,7 +333,7 @@ def _dies_with_launcher(command: list[str]) -> list[str]:
   if not sys.platform.startswith("linux"):
     return command
   launcher = str(os.getpid())
-  return [sys.executable, "-S", "-c", _EXEC_WITH_PARENT_DEATH_SIGNAL, launcher, *command]
+  return [sys.executable, "-I", "-S", "-c", _EXEC_WITH_PARENT_DEATH_SIGNAL, launcher, *command]
 
 
 def launch(
@@ -447,10 +481,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     received.append(signum)
     if len(received) == 1:
       raise KeyboardInterrupt  # unwinds through launch(), which stops every process
-    # A second signal: launch() is already stopping; its SIGKILL must not be cut short.
+    # Later signals are ignored: launch() is already stopping (within the grace period).
 
   for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-    signal.signal(signum, stop)
+    if signal.getsignal(signum) is not signal.SIG_IGN:  # nohup, or a background job
+      signal.signal(signum, stop)
   try:
     return launch(
       args.command,
@@ -462,7 +497,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
   except KeyboardInterrupt:
     return 128 + (received[0] if received else signal.SIGINT)
-  except OSError as error:  # the command could not be started
+  except FileNotFoundError as error:  # the program does not exist
     _write(sys.stderr, f"[launch] {error}\n")
     return 127
 

@@ -4,9 +4,11 @@ The children here are plain Python programs (no JAX), so these tests take second
 tests/test_multihost.py runs the launcher on real JAX processes.
 """
 
+import contextlib
 import io
 import os
 import pathlib
+import shlex
 import signal
 import subprocess
 import sys
@@ -217,6 +219,10 @@ def test_the_first_process_to_fail_is_reported_even_when_another_fails_ms_later(
   assert "process 1" in err and "exited with status 3" in err
 
 
+LINUX = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux signals and /proc")
+
+
+@LINUX
 def test_a_signal_without_a_name_is_reported():
   code = """
     import os, signal
@@ -251,14 +257,23 @@ IGNORES_SIGTERM = """
 """
 
 
-def start_launcher(*options):
-  """The command-line launcher over two children that ignore SIGTERM, and their pids."""
+@contextlib.contextmanager
+def started_launcher(*options, child=IGNORES_SIGTERM, shell_prefix=""):
+  """The command-line launcher over two children, and their pids; nothing survives the test."""
   command = [sys.executable, "-m", "optax_gsam.launch", "--local-processes", "2", *options, "--"]
-  launcher = subprocess.Popen(
-    [*command, *python(IGNORES_SIGTERM)], stdout=subprocess.PIPE, text=True, cwd=ROOT
-  )
-  pids = [int(launcher.stdout.readline().split()[-1]) for _ in range(2)]
-  return launcher, pids
+  command = [*command, *python(child)]
+  if shell_prefix:  # e.g. a signal disposition set by the shell, inherited across exec
+    command = ["sh", "-c", f"{shell_prefix} exec {shlex.join(command)}"]
+  launcher = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, cwd=ROOT)
+  pids = []
+  try:
+    pids += [int(launcher.stdout.readline().split()[-1]) for _ in range(2)]
+    yield launcher, pids
+  finally:
+    for pid in [launcher.pid, *pids]:
+      with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    launcher.wait(timeout=30)
 
 
 def wait_until_gone(pids, seconds=10):
@@ -269,19 +284,97 @@ def wait_until_gone(pids, seconds=10):
 
 
 def test_a_second_sigterm_does_not_leave_the_processes_running():
-  launcher, pids = start_launcher("--grace", "3")
-  launcher.send_signal(signal.SIGTERM)
-  time.sleep(0.5)  # inside the grace period
-  launcher.send_signal(signal.SIGTERM)
-  assert launcher.wait(timeout=30) == 128 + signal.SIGTERM
-  assert wait_until_gone(pids) == []
+  with started_launcher("--grace", "3") as (launcher, pids):
+    launcher.send_signal(signal.SIGTERM)
+    time.sleep(0.5)  # inside the grace period
+    launcher.send_signal(signal.SIGTERM)
+    assert launcher.wait(timeout=30) == 128 + signal.SIGTERM
+    assert wait_until_gone(pids) == []
 
 
+@LINUX
 def test_the_processes_die_with_a_killed_launcher():
-  launcher, pids = start_launcher()
-  launcher.kill()  # no finally runs: the kernel's parent-death signal ends them
-  launcher.wait(timeout=30)
-  assert wait_until_gone(pids) == []
+  with started_launcher() as (launcher, pids):
+    launcher.kill()  # no finally runs: the kernel's parent-death signal ends them
+    launcher.wait(timeout=30)
+    assert wait_until_gone(pids) == []
+
+
+def test_a_signal_inherited_as_ignored_stays_ignored():
+  finishes = """
+    import os, time
+    print("pid", os.getpid(), flush=True)
+    time.sleep(2)
+    print("done", flush=True)
+  """
+  with started_launcher(child=finishes, shell_prefix="trap '' HUP;") as (launcher, _):
+    launcher.send_signal(signal.SIGHUP)  # as nohup leaves it: ignored
+    assert launcher.wait(timeout=60) == 0
+    assert launcher.stdout.read().count("done") == 2
+
+
+@LINUX
+def test_commands_get_default_sigpipe_and_sigxfsz():
+  # Python ignores both at startup; a command exec'd from Python would inherit that.
+  status, out, err, _ = run(["sh", "-c", "grep SigIgn /proc/self/status"], num_processes=1)
+  assert status == 0, err
+  ignored = int(out.split()[-1], 16)
+  assert not ignored & (1 << (signal.SIGPIPE - 1)) and not ignored & (1 << (signal.SIGXFSZ - 1))
+
+
+def test_a_file_that_cannot_be_executed_gives_126(tmp_path):
+  script = tmp_path / "no_shebang"
+  script.write_text("echo hi\n")
+  script.chmod(0o755)
+  status, _, err, _ = run([str(script)], num_processes=1)
+  assert status == 126
+  assert f"cannot run {str(script)!r}" in err
+
+
+def test_sys_exit_after_initialize_unwinds_then_skips_the_barrier(tmp_path):
+  written = tmp_path / "written.txt"
+  code = f"""
+    import atexit, sys, threading, time
+    atexit.register(time.sleep, 120)  # stands in for JAX's shutdown barrier
+    from optax_gsam import launch
+    launch._exit_now_on_failure()
+    try:
+      sys.exit(2)
+    except SystemExit:
+      print("caught", flush=True)
+    worker = threading.Thread(target=sys.exit, args=(5,))
+    worker.start()
+    worker.join()
+    print("the thread ended alone", flush=True)
+    with open({str(written)!r}, "w") as f:
+      f.write("data")
+      try:
+        sys.exit(3)
+      finally:
+        print("finally ran", flush=True)
+  """
+  start = time.monotonic()
+  result = subprocess.run(python(code), capture_output=True, text=True, timeout=100, cwd=ROOT)
+  assert time.monotonic() - start < 60
+  assert result.returncode == 3, result.stderr
+  assert result.stdout.split("\n")[:3] == ["caught", "the thread ended alone", "finally ran"]
+  assert written.read_text() == "data"  # the with block closed the file
+
+
+def test_an_explicit_coordinator_ignores_an_inherited_bind_address():
+  port, other = launch.free_port(), launch.free_port()
+  code = f"""
+    from optax_gsam import launch
+    launch.initialize("127.0.0.1:{port}", num_processes=1, process_id=0)
+    import jax
+    print("processes", jax.process_count())
+  """
+  env = bare_environment(JAX_COORDINATOR_BIND_ADDRESS=f"127.0.0.1:{other}")
+  result = subprocess.run(
+    python(code), env=env, capture_output=True, text=True, timeout=100, cwd=ROOT
+  )
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert "processes 1" in result.stdout
 
 
 def test_command_line_errors_name_the_flag_or_the_program(capsys):

@@ -86,24 +86,28 @@ def test_pod_launch_as_two_processes_prints_the_losses_of_one(tmp_path):
   hosts = [
     [*host, "--process-id", str(i), "--out", str(tmp_path / f"by_hand_{i}.json")] for i in range(2)
   ]
+  logs = [tmp_path / f"by_hand_{i}.log" for i in range(2)]  # files: no pipe can fill up
   processes = [
     subprocess.Popen(
-      host, env=env, cwd=BENCHMARKS.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+      host, env=env, cwd=BENCHMARKS.parent, stdout=log.open("w"), stderr=subprocess.STDOUT
     )
-    for host in hosts
+    for host, log in zip(hosts, logs, strict=True)
   ]
   try:
-    outputs = [process.communicate(timeout=300)[0].decode()[-3000:] for process in processes]
+    for process in processes:
+      process.wait(timeout=300)
   finally:
     for process in processes:
       process.kill()
+  outputs = [log.read_text()[-3000:] for log in logs]
   assert [process.returncode for process in processes] == [0, 0], outputs
   by_hand = json.loads((tmp_path / "by_hand_0.json").read_text())  # process 0 writes it
   assert by_hand["devices"] == 8 and by_hand["processes"] == 2
   np.testing.assert_allclose(by_hand["losses"], one["losses"], rtol=1e-5)
 
 
-def test_pod_launch_rejects_flags_that_would_train_every_host_alone(capsys):
+def test_pod_launch_rejects_flags_that_would_train_every_host_alone(capsys, monkeypatch):
+  monkeypatch.delenv("JAX_COORDINATOR_ADDRESS", raising=False)
   parse_args = load("pod_launch").parse_args
   for argv, message in [
     (
