@@ -36,6 +36,11 @@ def is_gone(pid: int) -> bool:
   return status.exists() and "\nState:\tZ" in status.read_text()
 
 
+def run_program(command, env=None, timeout=120):
+  """Runs ``command`` from the repository root and returns its result, output as text."""
+  return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
 def run(command, out=None, **kwargs):
   out, err = out or io.StringIO(), io.StringIO()
   start = time.monotonic()
@@ -138,13 +143,7 @@ def test_command_line_runs_a_py_script_with_this_python(tmp_path):
   script = tmp_path / "hello.py"
   script.write_text("import os, sys\nprint('hello', os.environ['JAX_PROCESS_ID'], sys.argv[1:])\n")
   launcher = [sys.executable, "-m", "optax_gsam.launch", "--local-processes", "2"]
-  result = subprocess.run(
-    [*launcher, "--timeout", "60", "--", str(script), "--flag", "x"],
-    capture_output=True,
-    text=True,
-    timeout=120,
-    cwd=ROOT,
-  )
+  result = run_program([*launcher, "--timeout", "60", "--", str(script), "--flag", "x"])
   assert result.returncode == 0, result.stderr
   assert "[proc 0] hello 0 ['--flag', 'x']" in result.stdout
   assert "[proc 1] hello 1 ['--flag', 'x']" in result.stdout
@@ -173,22 +172,13 @@ INITIALIZE_THEN_COUNT = python("""
 
 
 def test_initialize_runs_a_single_process_when_told_there_is_one():
-  result = subprocess.run(
-    INITIALIZE_THEN_COUNT,
-    env=bare_environment(JAX_NUM_PROCESSES="1"),
-    capture_output=True,
-    text=True,
-    timeout=120,
-    cwd=ROOT,
-  )
+  result = run_program(INITIALIZE_THEN_COUNT, env=bare_environment(JAX_NUM_PROCESSES="1"))
   assert result.returncode == 0, result.stderr
   assert "processes 1" in result.stdout
 
 
 def test_initialize_without_a_coordinator_or_cluster_says_how_to_run_the_script():
-  result = subprocess.run(
-    INITIALIZE_THEN_COUNT, env=bare_environment(), capture_output=True, text=True, timeout=120
-  )
+  result = run_program(INITIALIZE_THEN_COUNT, env=bare_environment())
   assert result.returncode == 1  # at once, through the exit hook
   assert "processes" not in result.stdout
   assert "no coordinator_address was given" in result.stderr
@@ -354,7 +344,7 @@ def test_sys_exit_after_initialize_unwinds_then_skips_the_barrier(tmp_path):
         print("finally ran", flush=True)
   """
   start = time.monotonic()
-  result = subprocess.run(python(code), capture_output=True, text=True, timeout=100, cwd=ROOT)
+  result = run_program(python(code), timeout=100)
   assert time.monotonic() - start < 60
   assert result.returncode == 3, result.stderr
   assert result.stdout.split("\n")[:3] == ["caught", "the thread ended alone", "finally ran"]
@@ -370,9 +360,7 @@ def test_an_explicit_coordinator_ignores_an_inherited_bind_address():
     print("processes", jax.process_count())
   """
   env = bare_environment(JAX_COORDINATOR_BIND_ADDRESS=f"127.0.0.1:{other}")
-  result = subprocess.run(
-    python(code), env=env, capture_output=True, text=True, timeout=100, cwd=ROOT
-  )
+  result = run_program(python(code), env=env, timeout=100)
   assert result.returncode == 0, result.stderr[-2000:]
   assert "processes 1" in result.stdout
 
@@ -381,13 +369,8 @@ def test_command_line_errors_name_the_flag_or_the_program(capsys):
   with pytest.raises(SystemExit):
     launch._parse_args(["--local-processes", "0", "--", "a.py"])
   assert "--local-processes must be at least 1, got 0" in capsys.readouterr().err
-  result = subprocess.run(
-    [sys.executable, "-m", "optax_gsam.launch", "--local-processes", "1", "--", "/no/such/program"],
-    capture_output=True,
-    text=True,
-    timeout=120,
-    cwd=ROOT,
-  )
+  launcher = [sys.executable, "-m", "optax_gsam.launch", "--local-processes", "1"]
+  result = run_program([*launcher, "--", "/no/such/program"])
   assert result.returncode == 127
   assert "[launch] cannot run '/no/such/program'" in result.stderr
 
