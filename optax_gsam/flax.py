@@ -179,10 +179,10 @@ class TrainState(train_state.TrainState):
       known = sorted(field_names | forwarded)
       close = difflib.get_close_matches(name, known, n=1, cutoff=_SUGGESTION_CUTOFF)
       where = "field" if close and close[0] in field_names else "forwarded keyword"
-      suggestion = f" Did you mean {close[0]}= (a {where})?" if close else ""
+      suggestion = f"; did you mean {close[0]}= (a {where})?" if close else "."
       raise TypeError(
         f"{type(self).__name__}.apply_gradients() got {name}=, which is neither a field of the "
-        f"state nor a keyword that tx.update reads, so it would be ignored.{suggestion} "
+        f"state nor a keyword that tx.update reads, so it would be ignored{suggestion} "
         f"Fields (replaced): {', '.join(sorted(field_names))}. Forwarded to tx.update: "
         f"{', '.join(self.forwarded_keywords)}; a transform of your own that reads another "
         "keyword is declared in a subclass: forwarded_keywords = "
