@@ -57,7 +57,7 @@ def value_and_grad_from(
   ``loss_fn`` may return a scalar or ``(loss, aux)`` (a tuple or list, as Flax
   and big_vision losses do): the first element is differentiated and the whole
   output is returned as the value. Its loss must be a real scalar that depends
-  on the argument (:func:`check_loss`, :func:`depends_on_params`).
+  on the argument (:func:`check_loss`, :func:`dependence_marker`).
   ``value_and_grad_fn`` is called as it is: it computes its own gradient.
   """
   if (loss_fn is None) == (value_and_grad_fn is None):
