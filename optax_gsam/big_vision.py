@@ -192,6 +192,33 @@ def _duration(schedule: dict[str, Any], prefix: str, total_steps: int) -> int:
   return 0
 
 
+def _schedule_config(config) -> tuple[float, dict[str, Any], str]:
+  """``(config.lr, config.schedule, its decay_type)``, each checked against what is supported."""
+  cfg = _as_dict(config, "config")
+  if "lr" not in cfg:
+    raise ValueError("config.lr is required: big_vision scales its schedule by it.")
+  base_lr = cfg["lr"]
+  if not (_is_number(base_lr) and math.isfinite(base_lr) and base_lr >= 0):
+    raise ValueError(f"config.lr must be a finite number >= 0, got {base_lr!r}.")
+  schedule = _global_schedule(cfg)
+  for key in schedule:
+    if key not in SCHEDULE_KEYS:
+      hint = " Convert durations to *_steps." if key.endswith(("_epochs", "_examples")) else ""
+      raise ValueError(
+        f"Unsupported key config.schedule.{key}.{hint} Supported keys: {', '.join(SCHEDULE_KEYS)}."
+      )
+  if schedule.get("scale_with_batchsize", False):
+    raise ValueError(
+      "config.schedule.scale_with_batchsize=True is not supported; scale config.lr instead."
+    )
+  decay_type = schedule.get("decay_type", "stair")
+  if decay_type not in DECAY_TYPES:
+    raise ValueError(
+      f"Unsupported config.schedule.decay_type {decay_type!r}; supported: {DECAY_TYPES}."
+    )
+  return base_lr, schedule, decay_type
+
+
 def lr_schedule(config, total_steps: int) -> optax.Schedule:
   r"""The absolute learning rate of a big_vision config, as an ``optax.Schedule``.
 
@@ -249,28 +276,7 @@ def lr_schedule(config, total_steps: int) -> optax.Schedule:
     2022 (``big_vision/utils.py``, ``create_learning_rate_schedule``).
   """
   _check_total_steps(total_steps)
-  cfg = _as_dict(config, "config")
-  if "lr" not in cfg:
-    raise ValueError("config.lr is required: big_vision scales its schedule by it.")
-  base_lr = cfg["lr"]
-  if not (_is_number(base_lr) and math.isfinite(base_lr) and base_lr >= 0):
-    raise ValueError(f"config.lr must be a finite number >= 0, got {base_lr!r}.")
-  schedule = _global_schedule(cfg)
-  for key in schedule:
-    if key not in SCHEDULE_KEYS:
-      hint = " Convert durations to *_steps." if key.endswith(("_epochs", "_examples")) else ""
-      raise ValueError(
-        f"Unsupported key config.schedule.{key}.{hint} Supported keys: {', '.join(SCHEDULE_KEYS)}."
-      )
-  if schedule.get("scale_with_batchsize", False):
-    raise ValueError(
-      "config.schedule.scale_with_batchsize=True is not supported; scale config.lr instead."
-    )
-  decay_type = schedule.get("decay_type", "stair")
-  if decay_type not in DECAY_TYPES:
-    raise ValueError(
-      f"Unsupported config.schedule.decay_type {decay_type!r}; supported: {DECAY_TYPES}."
-    )
+  base_lr, schedule, decay_type = _schedule_config(config)
   base = schedule.get("mult", 1.0)
   warmup = _duration(schedule, "warmup", total_steps)
   cooldown = _duration(schedule, "cooldown", total_steps)

@@ -9,6 +9,7 @@ state.
 from __future__ import annotations
 
 import difflib
+import functools
 from collections.abc import Callable
 from collections.abc import Hashable
 from typing import Any
@@ -128,6 +129,15 @@ def _check_extra_args(extra_args: dict[str, Any]) -> None:
       )
 
 
+def _check_update(updates, state, params, perturb, extra_args, policy, check_axis, axis_name):
+  """Everything ``update`` can refuse before tracing anything, each with the fix."""
+  _check_extra_args(extra_args)
+  _check_perturb(perturb, policy)
+  check_update_inputs(updates, params, state.stored_direction)
+  if check_axis:
+    check_data_axis_is_set(axis_name)
+
+
 def _check_perturb(perturb, policy: SharpnessPolicy) -> None:
   if perturb is not None and not isinstance(perturb, bool):
     raise ValueError(
@@ -139,6 +149,30 @@ def _check_perturb(perturb, policy: SharpnessPolicy) -> None:
       "perturb_every=k or policy= (e.g. optax_gsam.every_step_policy(skip_zero_rho=True) "
       "for a plain base step at rho_t == 0)."
     )
+
+
+def _initial_state(policy: SharpnessPolicy, params: optax.Params) -> GSAMState:
+  # A fresh buffer per field: a donated state must not hold one buffer twice.
+  zero = lambda: jnp.zeros([], jnp.float32)
+  zero_count = lambda: jnp.zeros([], jnp.int32)
+  return GSAMState(
+    count=zero_count(),
+    rho=zero(),
+    **{name: zero() for name in step.Diagnostics._fields},
+    full_steps=zero_count(),
+    fallback_count=zero_count(),
+    policy_state=policy.init(),
+    stored_direction=optax.tree.zeros_like(params) if policy.stores_direction else None,
+  )
+
+
+def _check_call_arguments(rho, num_groups, perturb_every, check_axis) -> None:
+  """The arguments of gsam that do not go into :class:`step.Settings`."""
+  check_non_negative("rho", rho, allow_schedule=True)
+  check_positive_int("num_groups", num_groups, allow_none=True)
+  check_positive_int("perturb_every", perturb_every, allow_none=True)
+  if not isinstance(check_axis, bool):
+    raise ValueError(f"check_axis must be a bool, got {check_axis!r}.")
 
 
 def _validated(settings: step.Settings) -> step.Settings:
@@ -351,11 +385,7 @@ def gsam(
     Liu et al., `Towards Efficient and Scalable Sharpness-Aware Minimization
     <https://arxiv.org/abs/2203.02714>`_, CVPR 2022.
   """
-  check_non_negative("rho", rho, allow_schedule=True)
-  check_positive_int("num_groups", num_groups, allow_none=True)
-  check_positive_int("perturb_every", perturb_every, allow_none=True)
-  if not isinstance(check_axis, bool):
-    raise ValueError(f"check_axis must be a bool, got {check_axis!r}.")
+  _check_call_arguments(rho, num_groups, perturb_every, check_axis)
   policy = policy_from_arguments(policy, perturb_every, reuse_weight)
   settings = _validated(
     step.Settings(
@@ -371,19 +401,7 @@ def gsam(
     )
   )
 
-  def init_fn(params: optax.Params) -> GSAMState:
-    # A fresh buffer per field: a donated state must not hold one buffer twice.
-    zero = lambda: jnp.zeros([], jnp.float32)
-    zero_count = lambda: jnp.zeros([], jnp.int32)
-    return GSAMState(
-      count=zero_count(),
-      rho=zero(),
-      **{name: zero() for name in step.Diagnostics._fields},
-      full_steps=zero_count(),
-      fallback_count=zero_count(),
-      policy_state=policy.init(),
-      stored_direction=optax.tree.zeros_like(params) if policy.stores_direction else None,
-    )
+  init_fn = functools.partial(_initial_state, policy)
 
   def update_fn(
     updates: optax.Updates,
@@ -396,11 +414,7 @@ def gsam(
     perturb: bool | None = None,
     **extra_args: Any,
   ) -> tuple[optax.Updates, GSAMState]:
-    _check_extra_args(extra_args)
-    _check_perturb(perturb, policy)
-    check_update_inputs(updates, params, state.stored_direction)
-    if check_axis:
-      check_data_axis_is_set(axis_name)
+    _check_update(updates, state, params, perturb, extra_args, policy, check_axis, axis_name)
     hyper = step.hyperparams_at(rho, policy, state.count)
     policy_inputs = (state.policy_state, state.count)
     previous = (state.stored_direction, state.diagnostics)

@@ -20,7 +20,6 @@ is stage 2 to 5 for ``num_groups``.
 from __future__ import annotations
 
 from collections.abc import Callable
-from collections.abc import Hashable
 from typing import Any
 from typing import NamedTuple
 
@@ -29,14 +28,13 @@ import jax.numpy as jnp
 import optax
 
 from optax_gsam._src import perturbation as pert
+from optax_gsam._src.arrays import AxisName
 from optax_gsam._src.arrays import compute_dtype
 from optax_gsam._src.policies import SharpnessPolicy
 from optax_gsam._src.schedules import value_at
 from optax_gsam._src.user_functions import ValueAndGradFn
 from optax_gsam._src.user_functions import scalar_loss
 from optax_gsam._src.validation import is_real_number
-
-AxisName = Hashable | tuple[Hashable, ...] | None
 
 
 class Settings(NamedTuple):
