@@ -2,6 +2,7 @@
 
 import itertools
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -120,8 +121,7 @@ def test_sam_equals_optax_contrib_sam(optimizer):
         grad_fn(p_theirs), s_theirs, p_theirs, grad_fn=lambda q, _: grad_fn(q)
       )
       p_theirs = optax.apply_updates(p_theirs, u)
-    chex_close = optax.tree.allclose(p_ours, p_theirs, rtol=1e-9, atol=1e-12)
-    assert bool(chex_close)
+    chex.assert_trees_all_close(p_ours, p_theirs, rtol=1e-9, atol=1e-12)
     # The problem is non-degenerate: SAM moved away from plain gradient descent.
     moved = jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b))), p_ours, params)
     assert min(jax.tree.leaves(moved)) > 1e-3
@@ -139,10 +139,7 @@ def test_sam_is_gsam_with_zero_alpha_and_both_branches():
   }.items():
     out[name], _ = tx.update(grads, tx.init(p), p, loss_fn=loss_jax)
   for name in ("gsam_fp", "gsam_traced_alpha"):
-    chex_equal = jax.tree.map(
-      lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), out["sam"], out[name]
-    )
-    del chex_equal
+    chex.assert_trees_all_close(out["sam"], out[name], rtol=1e-6)
   # minimize_fp=False with alpha=0 is the clean gradient.
   tx = optax_gsam.gsam(0.1, 0.0, minimize_fp=False)
   clean, _ = tx.update(grads, tx.init(p), p, loss_fn=loss_jax)
@@ -322,3 +319,22 @@ def test_update_requires_exactly_one_loss_function_and_params():
     tx.update(p, state, p, loss_fn=lambda w: w)
   with pytest.raises(ValueError, match="scalar"):
     tx.update(p, state, p, value_and_grad_fn=lambda w: (w, w))
+
+
+class UpdateVariantsTest(chex.TestCase):
+  """The update gives the same output and state with and without jit, as optax's tests check."""
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_update_is_the_same_with_and_without_jit(self):
+    params, loss_jax, _, _ = make_problem(seed=9)
+    p = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
+    tx = optax_gsam.gsam(optax.linear_schedule(0.0, 0.2, 4), 0.3, perturb_every=2)
+    update = self.variant(lambda g, s, q: tx.update(g, s, q, loss_fn=loss_jax))
+    state, reference_state = tx.init(p), tx.init(p)
+    for _ in range(3):
+      grads = jax.grad(loss_jax)(p)
+      out, state = update(grads, state, p)
+      expected, reference_state = tx.update(grads, reference_state, p, loss_fn=loss_jax)
+      chex.assert_trees_all_close(out, expected, rtol=1e-6)
+      chex.assert_trees_all_close(state, reference_state, rtol=1e-6)
+      p = jax.tree.map(lambda a, b: a - 0.1 * b, p, out)
