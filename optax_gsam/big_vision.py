@@ -22,8 +22,8 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Callable
-from collections.abc import Hashable
 from typing import Any
+from typing import TypeGuard
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +35,7 @@ from optax_gsam._src.schedules import rho_from_lr
 from optax_gsam._src.schedules import schedule_extrema
 from optax_gsam._src.sharpness import gsam
 from optax_gsam._src.validation import check_non_negative
+from optax_gsam.typing import AxisName
 
 __all__ = (
   "gsam_from_config",
@@ -86,7 +87,8 @@ def _as_dict(value, name: str) -> dict[str, Any]:
   return {key: value[key] for key in value.keys()}
 
 
-def _is_int(value) -> bool:
+def _is_int(value) -> TypeGuard[int]:
+  # np.integer is no int subclass, but it does what the callers do with an int.
   return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
@@ -153,9 +155,8 @@ def num_train_steps(config, num_examples: int) -> int:
     if not (_is_int(num_examples) and num_examples > 0):
       raise ValueError(f"num_examples must be a positive int, got {num_examples!r}.")
     return int(cfg["num_epochs"] * num_examples / batch_size)
-  total_steps = cfg.get("total_steps")
-  _check_total_steps(total_steps)
-  return total_steps
+  _check_total_steps(cfg.get("total_steps"))
+  return int(cfg["total_steps"])
 
 
 def _global_schedule(config: dict[str, Any]) -> dict[str, Any]:
@@ -407,7 +408,7 @@ def gsam_from_config(
   total_steps: int,
   *,
   clamp: bool | None = None,
-  axis_name: Hashable | tuple[Hashable, ...] | None = None,
+  axis_name: AxisName = None,
   sync_perturbation: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
   r"""The :func:`optax_gsam.gsam` transform of a big_vision config.

@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import time
 from collections.abc import Callable
+from typing import cast
 
 import flax.linen as nn
 import jax
@@ -141,7 +142,7 @@ def train(
     losses.append(float(np.mean(epoch_losses)))
     if progress is not None:
       progress(1)
-  logits = model.apply(params, data.x_test)
+  logits = cast(jax.Array, model.apply(params, data.x_test))  # no mutable collections
   accuracy = float(np.mean(np.argmax(logits, axis=-1) == data.y_test))
   gap = float(optax.tree.get(opt_state, "surrogate_gap")) if sharpness_aware else None
   # Drop the first epoch's steps: they include compilation.

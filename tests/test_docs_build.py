@@ -11,6 +11,7 @@ import optax_gsam
 import optax_gsam.big_vision
 import optax_gsam.flax
 import optax_gsam.launch
+import optax_gsam.typing
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -19,6 +20,7 @@ PUBLIC_MODULES = {
   "optax_gsam.flax": optax_gsam.flax,
   "optax_gsam.big_vision": optax_gsam.big_vision,
   "optax_gsam.launch": optax_gsam.launch,
+  "optax_gsam.typing": optax_gsam.typing,
 }
 
 

@@ -28,12 +28,11 @@ from __future__ import annotations
 
 import functools
 import numbers
-from collections.abc import Hashable
 
 import jax
 import jax.numpy as jnp
 
-AxisName = Hashable | tuple[Hashable, ...] | None
+from optax_gsam.typing import AxisName
 
 
 def _check_tile_size(tile_size) -> None:

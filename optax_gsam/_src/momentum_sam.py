@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from collections.abc import Hashable
 from typing import Any
 from typing import NamedTuple
 
@@ -22,6 +21,7 @@ from optax_gsam._src.validation import check_positive
 from optax_gsam._src.validation import check_update_inputs
 from optax_gsam._src.validation import is_real_number
 from optax_gsam._src.validation import is_scalar_array
+from optax_gsam.typing import AxisName
 
 
 class MomentumSAMState(NamedTuple):
@@ -35,7 +35,7 @@ class MomentumSAMState(NamedTuple):
       float32 at least). A non-finite gradient leaves it unchanged.
   """
 
-  count: jax.Array
+  count: jax.Array  # type: ignore[assignment]  # the field shadows tuple.count, as in optax
   rho: jax.Array
   perturbed_loss: jax.Array
   momentum: optax.Updates
@@ -46,7 +46,7 @@ def momentum_sam(
   momentum: float = 0.9,
   *,
   eps: float = 1e-12,
-  axis_name: Hashable | tuple[Hashable, ...] | None = None,
+  axis_name: AxisName = None,
   check_axis: bool = True,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Momentum-SAM (MSAM): perturb along past gradients, evaluate one gradient.
