@@ -126,7 +126,7 @@ def _as_flag(name: str, value) -> bool:
   )
 
 
-def num_train_steps(config, num_examples: int) -> int:
+def num_train_steps(config: Any, num_examples: int) -> int:
   """Total training steps as big_vision's trainers compute them.
 
   ``int(config.num_epochs * num_examples / config.batch_size)`` when
@@ -193,7 +193,7 @@ def _duration(schedule: dict[str, Any], prefix: str, total_steps: int) -> int:
   return 0
 
 
-def lr_schedule(config, total_steps: int) -> optax.Schedule:
+def lr_schedule(config: Any, total_steps: int) -> optax.Schedule:
   r"""The absolute learning rate of a big_vision config, as an ``optax.Schedule``.
 
   big_vision's optimizer multiplies ``config.lr`` by a *relative* schedule
@@ -334,7 +334,7 @@ def _gsam_config(config) -> dict[str, Any]:
   return gsam_cfg
 
 
-def rho_schedule(config, total_steps: int, *, clamp: bool | None = None) -> optax.Schedule:
+def rho_schedule(config: Any, total_steps: int, *, clamp: bool | None = None) -> optax.Schedule:
   r"""The GSAM radius of a big_vision config, as a schedule of the step count.
 
   :func:`optax_gsam.rho_from_lr` applied to :func:`lr_schedule`:
@@ -404,7 +404,7 @@ def rho_schedule(config, total_steps: int, *, clamp: bool | None = None) -> opta
 
 
 def gsam_from_config(
-  config,
+  config: Any,
   total_steps: int,
   *,
   clamp: bool | None = None,

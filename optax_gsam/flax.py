@@ -89,7 +89,9 @@ class TrainState(train_state.TrainState):
   """
 
   @classmethod
-  def create(cls, *, apply_fn: Any, params: Any, tx: optax.GradientTransformation, **kwargs: Any):
+  def create(
+    cls, *, apply_fn: Any, params: Any, tx: optax.GradientTransformation, **kwargs: Any
+  ) -> TrainState:
     """Flax's ``TrainState.create``, with ``tx`` checked first.
 
     Raises:
