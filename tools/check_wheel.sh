@@ -19,6 +19,7 @@ subset=(tests/test_sharpness.py tests/test_policies.py tests/test_flax.py
 tests=("${@:-${subset[@]}}")
 
 rm -rf "$work/dist" "$work/venv" "$work/sdist" "$work/run"
+mkdir -p "$work"
 "$python" -m build --outdir "$work/dist" "$root" >"$work/build.log" 2>&1 ||
   { cat "$work/build.log"; exit 1; }
 "$python" -m twine check --strict "$work"/dist/*
