@@ -4,6 +4,8 @@ The whole public API is listed in ``__all__`` below; everything under
 ``optax_gsam._src`` is private.
 """
 
+import types as _types
+
 from optax_gsam._src.contrastive import clip_loss
 from optax_gsam._src.contrastive import siglip_loss
 from optax_gsam._src.distributed import data_parallel
@@ -71,7 +73,7 @@ __all__ = (
 _SUBMODULES = ("big_vision", "flax")
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> _types.ModuleType:
   if name in _SUBMODULES:
     import importlib
 

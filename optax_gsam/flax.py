@@ -89,7 +89,9 @@ class TrainState(train_state.TrainState):
   """
 
   @classmethod
-  def create(cls, *, apply_fn: Any, params: Any, tx: optax.GradientTransformation, **kwargs: Any):
+  def create(
+    cls, *, apply_fn: Any, params: Any, tx: optax.GradientTransformation, **kwargs: Any
+  ) -> TrainState:
     """Flax's ``TrainState.create``, with ``tx`` checked first.
 
     Raises:
@@ -242,9 +244,9 @@ def nnx_loss_fn(
   def is_param(path, value):
     return path[0] == 0 and in_wrt(path[1:], value)
 
-  graphdef, _, rest = nnx.split((model, [leaves[i] for i in node_at]), is_param, ...)
+  graphdef, _, *others = nnx.split((model, [leaves[i] for i in node_at]), is_param, ...)
   # Pure arrays: nnx.merge makes new Variables at the trace level of the call.
-  rest = nnx.as_pure(rest)
+  rest = nnx.as_pure(others[0])
 
   def perturbed_loss_fn(params):
     copy, nodes = nnx.merge(graphdef, nnx.State({0: params}), rest)

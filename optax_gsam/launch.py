@@ -254,6 +254,12 @@ def initialize(
     ) from error
 
 
+def _report_exit(index: int, process: subprocess.Popen, exits: queue.SimpleQueue[int]) -> None:
+  """Waits for one process and puts its index on ``exits``."""
+  process.wait()
+  exits.put(index)
+
+
 def _stream(index: int, pipe, tail: collections.deque, out: TextIO, lock: threading.Lock):
   """Copies one process's output to ``out`` line by line, with its prefix.
 
@@ -407,12 +413,12 @@ def launch(
       )
       processes.append(process)
     for i, process in enumerate(processes):
-      tail = collections.deque(maxlen=_TAIL_LINES)
+      tail: collections.deque[str] = collections.deque(maxlen=_TAIL_LINES)
       reader = threading.Thread(
         target=_stream, args=(i, process.stdout, tail, out, lock), daemon=True
       )
       reader.start()
-      waiter = threading.Thread(target=lambda i=i, p=process: (p.wait(), exits.put(i)), daemon=True)
+      waiter = threading.Thread(target=_report_exit, args=(i, process, exits), daemon=True)
       waiter.start()
       tails.append(tail)
       readers.append(reader)

@@ -15,9 +15,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-# A mesh or mapped-axis name, a tuple of them, or None for no axis.
-AxisName = Hashable | tuple[Hashable, ...] | None
-
 
 def compute_dtype(dtype: Any) -> np.dtype:
   """Float32 at least for inexact dtypes (complex stays complex); others unchanged."""

@@ -31,13 +31,13 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from optax_gsam._src.arrays import AxisName
 from optax_gsam._src.arrays import join_rows
 from optax_gsam._src.arrays import mark_varying
 from optax_gsam._src.arrays import split_rows
 from optax_gsam._src.arrays import upcast
 from optax_gsam._src.arrays import varying_axes
 from optax_gsam._src.validation import check_positive_int
+from optax_gsam.typing import AxisName
 
 
 def _check_pair(image_embeddings, text_embeddings) -> None:

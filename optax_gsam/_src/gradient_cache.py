@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Callable
-from collections.abc import Hashable
 from typing import Any
 
 import jax
@@ -35,9 +34,9 @@ from optax_gsam._src.arrays import mark_varying
 from optax_gsam._src.arrays import split_rows
 from optax_gsam._src.validation import check_axis_name
 from optax_gsam._src.validation import check_positive_int
-
-EmbedFn = Callable[..., Any]
-LossFn = Callable[[optax.Params, Any], Any]
+from optax_gsam.typing import AxisName
+from optax_gsam.typing import EmbeddingLossFn
+from optax_gsam.typing import EmbedFn
 
 
 def _as_varying(tree, axis_name):
@@ -50,12 +49,13 @@ def _leading_size(tree, what: str) -> int:
   if not leaves:
     raise ValueError(f"{what} has no array leaves.")
   sizes = {jnp.shape(x)[0] if jnp.ndim(x) else None for x in leaves}
-  if None in sizes or len(sizes) != 1:
+  size = next(iter(sizes)) if len(sizes) == 1 else None
+  if size is None:
     raise ValueError(
       f"Every leaf of {what} must have the examples on axis 0 with one common size; "
       f"got leading sizes {sorted(str(s) for s in sizes)}."
     )
-  return sizes.pop()
+  return size
 
 
 class _Tower:
@@ -149,7 +149,7 @@ def _towers_from(embed_fn, chunk_size, per_example_keys: bool):
         f"got {type(embed_fn).__name__}."
       )
     if isinstance(chunk_size, numbers.Integral) and not isinstance(chunk_size, bool):
-      sizes = [chunk_size] * len(leaves)
+      sizes = [int(chunk_size)] * len(leaves)
     else:
       try:
         sizes = towers_def.flatten_up_to(chunk_size)
@@ -203,11 +203,11 @@ def _combine(value, accumulator, loss_grads, axis_name, has_aux):
 
 def cached_value_and_grad(
   embed_fn: EmbedFn | Any,
-  loss_fn: LossFn,
+  loss_fn: EmbeddingLossFn,
   *,
   chunk_size: int | Any,
   has_aux: bool = False,
-  axis_name: Hashable | tuple[Hashable, ...] | None = None,
+  axis_name: AxisName = None,
   per_example_keys: bool = False,
 ) -> Callable[..., tuple[Any, optax.Updates]]:
   r"""Exact ``value_and_grad`` of ``loss_fn(params, embed_fn(params, batch))``, chunk by chunk.

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from collections.abc import Hashable
 from typing import Any
 from typing import NamedTuple
 
@@ -23,6 +22,7 @@ from optax_gsam._src.validation import check_non_negative
 from optax_gsam._src.validation import check_positive
 from optax_gsam._src.validation import check_unit_interval
 from optax_gsam._src.validation import check_update_inputs
+from optax_gsam.typing import AxisName
 
 
 class MomentumSAMState(NamedTuple):
@@ -39,7 +39,7 @@ class MomentumSAMState(NamedTuple):
       weights (the clean gradient) and count.
   """
 
-  count: jax.Array
+  count: jax.Array  # type: ignore[assignment]  # the field shadows tuple.count, as in optax
   rho: jax.Array
   perturbed_loss: jax.Array
   momentum: optax.Updates
@@ -51,7 +51,7 @@ def momentum_sam(
   momentum: float = 0.9,
   *,
   eps: float = 1e-12,
-  axis_name: Hashable | tuple[Hashable, ...] | None = None,
+  axis_name: AxisName = None,
   check_axis: bool = True,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Momentum-SAM (MSAM): perturb along past gradients, evaluate one gradient.

@@ -21,7 +21,6 @@ and a finite output.
 from __future__ import annotations
 
 import functools
-from typing import Literal
 from typing import NamedTuple
 
 import jax
@@ -30,8 +29,8 @@ import optax
 
 from optax_gsam._src.arrays import real_dtype
 from optax_gsam._src.arrays import upcast
+from optax_gsam.typing import Adaptive
 
-Adaptive = Literal["gsam", "asam"] | None
 ADAPTIVE_CHOICES = (None, "gsam", "asam")
 
 # Entries are scaled by 2^-72 and 2^72 for the fallback sums: squares of float32
@@ -189,7 +188,7 @@ def perturbation(
   rho: jax.Array | float,
   *,
   adaptive: Adaptive = None,
-  eps: float = 1e-12,
+  eps: float | jax.Array = 1e-12,
 ) -> optax.Updates:
   r"""The ascent step :math:`\epsilon` added to the weights before the second pass.
 
@@ -242,7 +241,7 @@ def decompose(
   alpha: jax.Array | float,
   *,
   minimize_fp: bool = True,
-  eps: float = 1e-12,
+  eps: float | jax.Array = 1e-12,
   stats: GradientStats | None = None,
 ) -> optax.Updates:
   r"""GSAM's gradient decomposition.
@@ -301,7 +300,7 @@ def decompose(
 
 
 def orthogonal_component(
-  grads: optax.Updates, reference: optax.Updates, *, eps: float = 1e-12
+  grads: optax.Updates, reference: optax.Updates, *, eps: float | jax.Array = 1e-12
 ) -> optax.Updates:
   r"""The part of ``grads`` orthogonal to ``reference``.
 
@@ -328,7 +327,7 @@ def reuse_direction(
   stored_direction: optax.Updates,
   weight: jax.Array | float,
   *,
-  eps: float = 1e-12,
+  eps: float | jax.Array = 1e-12,
 ) -> optax.Updates:
   r"""LookSAM's cheap step: the clean gradient plus the stored direction, rescaled.
 

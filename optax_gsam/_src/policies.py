@@ -30,12 +30,10 @@ from optax_gsam._src.validation import check_non_negative
 from optax_gsam._src.validation import check_positive_int
 from optax_gsam._src.validation import check_unit_interval
 from optax_gsam._src.validation import is_real_number
+from optax_gsam.typing import DecideFn
 
 CHEAP_CHOICES = ("reuse", "clean")
 DEFAULT_REUSE_WEIGHT = 0.7
-
-# (policy_state, count, squared clean-gradient norm or None) -> (full step due, new policy_state)
-DecideFn = Callable[[Any, jax.Array, jax.Array | None], tuple[jax.Array | bool, Any]]
 
 
 class SharpnessPolicy(NamedTuple):

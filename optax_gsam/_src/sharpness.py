@@ -11,9 +11,7 @@ from __future__ import annotations
 import difflib
 import functools
 from collections.abc import Callable
-from collections.abc import Hashable
 from typing import Any
-from typing import Literal
 from typing import NamedTuple
 
 import jax
@@ -33,6 +31,8 @@ from optax_gsam._src.validation import check_non_negative
 from optax_gsam._src.validation import check_positive
 from optax_gsam._src.validation import check_positive_int
 from optax_gsam._src.validation import check_update_inputs
+from optax_gsam.typing import Adaptive
+from optax_gsam.typing import AxisName
 
 ON_NONFINITE_CHOICES = ("propagate", "clean")
 UPDATE_KEYWORDS = ("loss_fn", "value_and_grad_fn", "value", "perturb")
@@ -76,7 +76,7 @@ class GSAMState(NamedTuple):
       clean gradient, keeps the previous one.
   """
 
-  count: jax.Array
+  count: jax.Array  # type: ignore[assignment]  # shadows tuple.count, as optax's states do
   rho: jax.Array
   perturbed_loss: jax.Array
   surrogate_gap: jax.Array
@@ -213,10 +213,10 @@ def gsam(
   alpha: float | jax.Array = 0.0,
   *,
   eps: float = 1e-12,
-  adaptive: Literal["gsam", "asam"] | None = None,
+  adaptive: Adaptive = None,
   minimize_fp: bool = True,
   sync_perturbation: bool = False,
-  axis_name: Hashable | tuple[Hashable, ...] | None = None,
+  axis_name: AxisName = None,
   num_groups: int | None = None,
   perturb_every: int | None = None,
   reuse_weight: optax.ScalarOrSchedule | None = None,
@@ -438,9 +438,9 @@ def sam(
   rho: optax.ScalarOrSchedule,
   *,
   eps: float = 1e-12,
-  adaptive: Literal["gsam", "asam"] | None = None,
+  adaptive: Adaptive = None,
   sync_perturbation: bool = False,
-  axis_name: Hashable | tuple[Hashable, ...] | None = None,
+  axis_name: AxisName = None,
   num_groups: int | None = None,
   perturb_every: int | None = None,
   reuse_weight: optax.ScalarOrSchedule | None = None,
@@ -508,7 +508,7 @@ def full_step_due(
   *,
   policy: SharpnessPolicy | None = None,
   rho: optax.ScalarOrSchedule,
-  axis_name: Hashable | tuple[Hashable, ...] | None = None,
+  axis_name: AxisName = None,
 ) -> jax.Array:
   r"""Whether the next ``update`` would take the full step: the policy's answer, ahead of it.
 

@@ -28,13 +28,14 @@ import jax.numpy as jnp
 import optax
 
 from optax_gsam._src import perturbation as pert
-from optax_gsam._src.arrays import AxisName
 from optax_gsam._src.arrays import compute_dtype
 from optax_gsam._src.policies import SharpnessPolicy
 from optax_gsam._src.schedules import value_at
 from optax_gsam._src.user_functions import ValueAndGradFn
 from optax_gsam._src.user_functions import scalar_loss
 from optax_gsam._src.validation import is_real_number
+from optax_gsam.typing import Adaptive
+from optax_gsam.typing import AxisName
 
 
 class Settings(NamedTuple):
@@ -42,7 +43,7 @@ class Settings(NamedTuple):
 
   alpha: float | jax.Array
   eps: float | jax.Array
-  adaptive: pert.Adaptive
+  adaptive: Adaptive
   minimize_fp: bool
   sync_perturbation: bool
   axis_name: AxisName
@@ -61,7 +62,7 @@ class Settings(NamedTuple):
   @property
   def is_sam(self) -> bool:
     """alpha is statically 0 with ``minimize_fp``: the output is g_p, nothing to decompose."""
-    return is_real_number(self.alpha) and self.alpha == 0 and self.minimize_fp
+    return bool(is_real_number(self.alpha) and self.alpha == 0 and self.minimize_fp)
 
 
 class Hyperparams(NamedTuple):
@@ -128,6 +129,8 @@ def hyperparams_at(
 ) -> Hyperparams:
   """Stage 1: rho_t, whether it is usable, and the reuse weight (0 where no full step would run)."""
   rho_t = value_at(rho, count)
+  rho_ok: bool | jax.Array
+  rho_positive: bool | jax.Array
   if is_real_number(rho):  # Validated at construction: decided while tracing.
     rho_ok, rho_positive, safe_rho = True, bool(rho > 0), rho_t
   else:  # A schedule (or an injected array) can give anything; see fall_back_to_clean.
@@ -237,6 +240,7 @@ def cheap_step(
 ) -> BranchResult:
   """Stage 4: the clean gradient, or with the stored direction added back."""
   if settings.policy.cheap == "reuse":
+    assert weight is not None and stored_direction is not None  # a reuse policy stores one
     return BranchResult(
       pert.reuse_direction(clean_grads, stored_direction, weight, eps=settings.eps)
     )
@@ -382,6 +386,8 @@ def grouped_update(
   the groups' clean gradients, so no group is evaluated twice.
   """
   policy_state, count = policy_inputs
+  num_groups = settings.num_groups
+  assert num_groups is not None
   due, policy_state = decide(settings.policy, policy_state, count, hyper, updates)
   keep_clean = settings.on_nonfinite == "clean" or hyper.rho_ok is not True
 
@@ -395,7 +401,7 @@ def grouped_update(
     return result, (clean_grads if keep_clean else None)
 
   def full() -> Outcome:
-    result, clean_average = average_groups(settings.num_groups, full_of)
+    result, clean_average = average_groups(num_groups, full_of)
     fallback = needs_fallback(settings, hyper, result) if keep_clean else False
     result = fall_back_to_clean(fallback, clean_average, result)
     return _outcome(result, True, fallback, previous, updates)
@@ -404,7 +410,7 @@ def grouped_update(
     return cheap_step(settings, hyper.reuse_weight, clean_of(group)[1], previous[0])
 
   def cheap() -> Outcome:
-    result = average_groups(settings.num_groups, cheap_of)
+    result = average_groups(num_groups, cheap_of)
     return _outcome(result, False, rho_unusable(hyper), previous, updates)
 
   return choose(due, full, cheap, perturb), policy_state

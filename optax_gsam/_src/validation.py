@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Hashable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -107,7 +108,7 @@ PARAMS_FIX = (
 )
 
 
-def _paths_and_leaves(tree) -> list[tuple[str, object]]:
+def _paths_and_leaves(tree) -> list[tuple[str, Any]]:
   return [(jax.tree_util.keystr(p), x) for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]]
 
 
