@@ -34,17 +34,31 @@ import difflib
 import functools
 from collections.abc import Callable
 from typing import Any
+from typing import ClassVar
 
 import jax
 import optax
 from flax import nnx
 from flax.training import train_state
 
+from optax_gsam._src.user_functions import UPDATE_KEYWORDS
+from optax_gsam._src.user_functions import MissingLossFunctionError
+
 __all__ = ("TrainState", "nnx_loss_fn")
 
-# How close (difflib ratio) a keyword must be to a field name to be taken for a misspelling of
-# it: `batch_stat`/`batch_stats` is 0.95, `loss_fn`/`apply_fn` (forwarded, right) is 0.53.
-_FIELD_TYPO_CUTOFF = 0.8
+# How close (difflib ratio) a keyword must be to a known name to be suggested in the error:
+# `batch_stat`/`batch_stats` is 0.95, `valu`/`value` 0.89, `stats`/`batch_stats` 0.62.
+_SUGGESTION_CUTOFF = 0.6
+
+_MISSING_LOSS_IN_APPLY_GRADIENTS = (
+  "Pass exactly one of loss_fn (params -> loss) or value_and_grad_fn to update(): "
+  "optax_gsam.flax.TrainState.apply_gradients(grads=...) was called without loss_fn, and tx "
+  "(gsam/sam) needs the loss at the perturbed weights. Pass it with the gradients: "
+  "state.apply_gradients(grads=grads, loss_fn=loss_fn, value=loss), where loss_fn(params) "
+  "closes over the batch (and the dropout key, batch_stats) of the clean pass. In Flax's "
+  "two-function form, where apply_model computes the gradients and update_model(state, grads) "
+  "applies them, return loss_fn from apply_model or call apply_gradients there (docs/flax.md)."
+)
 
 
 class TrainState(train_state.TrainState):
@@ -53,10 +67,17 @@ class TrainState(train_state.TrainState):
   ``state.apply_gradients(grads=g, loss_fn=..., value=..., **fields)`` runs
   ``tx.update(g, opt_state, params, loss_fn=..., value=...)``. Keyword
   arguments that name a field of the state (``batch_stats`` in a subclass, for
-  instance) are replaced, exactly as in Flax; every other keyword argument is
-  forwarded to ``tx.update``. A ``tx`` without extra-args support (a plain
+  instance) are replaced, exactly as in Flax; ``loss_fn``, ``value`` and the
+  other :attr:`forwarded_keywords` are forwarded to ``tx.update``. A ``tx`` without extra-args support (a plain
   ``optax.sgd``) ignores them, so the same train step runs with or without GSAM.
   Everything else, ``create`` and the ``step`` counter included, is Flax's.
+
+  A keyword that is neither a field nor in :attr:`forwarded_keywords` raises
+  a ``TypeError``, as Flax's ``apply_gradients`` does for unknown fields:
+  forwarded, nothing would read it (``stats=`` for ``batch_stats=``, ``valu=``
+  for ``value=``) and the step would silently run without it. A transform of
+  your own that reads another keyword is declared in a subclass,
+  ``forwarded_keywords = (*TrainState.forwarded_keywords, "my_arg")``.
 
   Subclass it to add collections, as with Flax's class:
 
@@ -88,6 +109,10 @@ class TrainState(train_state.TrainState):
     <https://openreview.net/forum?id=edONMAnhLu->`_, ICLR 2022.
   """
 
+  #: Keywords forwarded to ``tx.update``: those gsam/sam/momentum_sam read, and optax's
+  #: own extra arguments (``value``, ``grad``, ``value_fn`` of its line searches).
+  forwarded_keywords: ClassVar[tuple[str, ...]] = (*UPDATE_KEYWORDS, "grad", "value_fn")
+
   @classmethod
   def create(
     cls, *, apply_fn: Any, params: Any, tx: optax.GradientTransformation, **kwargs: Any
@@ -108,53 +133,102 @@ class TrainState(train_state.TrainState):
     return super().create(apply_fn=apply_fn, params=params, tx=tx, **kwargs)
 
   def apply_gradients(self, *, grads: Any, **kwargs: Any) -> TrainState:
-    """Applies ``grads`` with ``tx``, forwarding the non-field kwargs to ``tx.update``.
+    """Applies ``grads`` with ``tx``, forwarding the loss function and value to ``tx.update``.
 
     Args:
       grads: gradients with the structure of ``params`` (the clean gradient
         when ``tx`` starts with :func:`optax_gsam.gsam`).
       **kwargs: names of fields of the state are ``replace``-d in the result;
-        all others (``loss_fn``, ``value_and_grad_fn``, ``value``, ...) are
-        passed to ``tx.update``.
+        the :attr:`forwarded_keywords` (``loss_fn``, ``value_and_grad_fn``,
+        ``value``, ...) are passed to ``tx.update``.
 
     Returns:
       The new state, with ``step`` incremented and ``params``/``opt_state``
       updated.
 
     Raises:
-      TypeError: when a keyword is not a field but is close to one
-        (``batch_stat`` for ``batch_stats``): it would go to ``tx.update``,
-        which ignores unknown keywords, and the field would silently keep its
-        old value.
+      TypeError: when a keyword is neither a field of the state nor in
+        :attr:`forwarded_keywords` (``batch_stat=`` for ``batch_stats=``,
+        ``valu=`` for ``value=``): the error names the closest known one.
+      ValueError: when ``tx`` needs a loss function (it starts with gsam/sam)
+        and neither ``loss_fn`` nor ``value_and_grad_fn`` was passed.
     """
     field_names = {field.name for field in dataclasses.fields(self)}
-    for name in kwargs:
-      if name in field_names:
-        continue
-      close = difflib.get_close_matches(name, field_names, n=1, cutoff=_FIELD_TYPO_CUTOFF)
-      if close:
-        raise TypeError(
-          f"{type(self).__name__}.apply_gradients() got {name}=, which is not a field of the "
-          f"state; did you mean {close[0]}=? Keywords that name a field replace it; the others "
-          f"are forwarded to tx.update, which would ignore {name} and leave {close[0]} as it "
-          f"was. Fields: {', '.join(sorted(field_names))}."
-        )
+    self._check_keywords(kwargs, field_names)
     fields = {name: value for name, value in kwargs.items() if name in field_names}
     extra_args = {name: value for name, value in kwargs.items() if name not in field_names}
-    if not extra_args:
-      return super().apply_gradients(grads=grads, **fields)
-    tx = self.tx
-    if not isinstance(tx, optax.GradientTransformationExtraArgs):
-      tx = optax.with_extra_args_support(tx)
-    # Flax's apply_gradients, run with a tx whose update has the extra args bound,
-    # so Flax's own handling of params (overwrite-with-gradient included) is kept.
-    bound = optax.GradientTransformation(tx.init, functools.partial(tx.update, **extra_args))
-    new_state = super(TrainState, self.replace(tx=bound)).apply_gradients(grads=grads, **fields)
+    try:
+      if not extra_args:
+        return super().apply_gradients(grads=grads, **fields)
+      tx = self.tx
+      if not isinstance(tx, optax.GradientTransformationExtraArgs):
+        tx = optax.with_extra_args_support(tx)
+      # Flax's apply_gradients, run with a tx whose update has the extra args bound,
+      # so Flax's own handling of params (overwrite-with-gradient included) is kept.
+      bound = optax.GradientTransformation(tx.init, functools.partial(tx.update, **extra_args))
+      new_state = super(TrainState, self.replace(tx=bound)).apply_gradients(grads=grads, **fields)
+    except MissingLossFunctionError as error:
+      # The hint of the core error sends users of Flax's TrainState here; they are here.
+      raise MissingLossFunctionError(_MISSING_LOSS_IN_APPLY_GRADIENTS) from error
     return new_state.replace(tx=self.tx)
+
+  def _check_keywords(self, kwargs: dict[str, Any], field_names: set[str]) -> None:
+    """Every keyword is a field or a forwarded keyword; else a TypeError naming the closest."""
+    forwarded = set(self.forwarded_keywords)
+    for name in kwargs:
+      if name in field_names or name in forwarded:
+        continue
+      known = sorted(field_names | forwarded)
+      close = difflib.get_close_matches(name, known, n=1, cutoff=_SUGGESTION_CUTOFF)
+      where = "field" if close and close[0] in field_names else "forwarded keyword"
+      suggestion = f"; did you mean {close[0]}= (a {where})?" if close else "."
+      raise TypeError(
+        f"{type(self).__name__}.apply_gradients() got {name}=, which is neither a field of the "
+        f"state nor a keyword that tx.update reads, so it would be ignored{suggestion} "
+        f"Fields (replaced): {', '.join(sorted(field_names))}. Forwarded to tx.update: "
+        f"{', '.join(self.forwarded_keywords)}; a transform of your own that reads another "
+        "keyword is declared in a subclass: forwarded_keywords = "
+        f"(*TrainState.forwarded_keywords, {name!r})."
+      )
 
 
 def _is_nnx_node(value: Any) -> bool:
   return isinstance(value, (nnx.Pytree, nnx.Variable))
+
+
+_SNAPSHOT_AFTER_CLEAN_PASS = (
+  "optax_gsam.flax.nnx_loss_fn was called after the clean pass: the loss advances RNG "
+  "counters or batch statistics, and they had not changed between the snapshot and this "
+  "update, so the snapshot holds the state the clean pass left behind. The perturbed pass "
+  "would draw the next dropout masks and normalize with the updated statistics, which is "
+  "not GSAM's step (at rho=0 it is not the plain step). Call nnx_loss_fn before "
+  "nnx.value_and_grad: perturbed_loss = nnx_loss_fn(loss_fn, model, *args), then the clean "
+  "pass, then optimizer.update(model, grads, loss_fn=perturbed_loss, value=loss)."
+)
+
+
+def _non_param_leaves(objects: Any, is_param: Callable[..., bool]) -> list[Any]:
+  _, _, *rest = nnx.split(objects, is_param, ...)
+  return jax.tree.leaves(nnx.as_pure(rest[0]))
+
+
+def _check_snapshot_precedes_clean_pass(
+  snapshot: Any, copies: Any, originals: Any, is_param: Callable[..., bool]
+) -> None:
+  """Raises when the loss mutates state that the clean pass left untouched since the snapshot.
+
+  At trace time, by object identity: the loss just changed some leaves of the
+  throw-away ``copies`` (an RNG counter, batch statistics); the clean pass, the
+  same loss on ``originals``, changes the same leaves, so when the originals
+  still hold the snapshot's arrays there, the snapshot was taken after it.
+  """
+  before = jax.tree.leaves(snapshot)
+  after, now = _non_param_leaves(copies, is_param), _non_param_leaves(originals, is_param)
+  if not len(before) == len(after) == len(now):  # The loss made or dropped variables.
+    return
+  mutated = [i for i, leaf in enumerate(after) if leaf is not before[i]]
+  if mutated and all(now[i] is before[i] for i in mutated):
+    raise ValueError(_SNAPSHOT_AFTER_CLEAN_PASS)
 
 
 def nnx_loss_fn(
@@ -208,6 +282,9 @@ def nnx_loss_fn(
   Raises:
     TypeError: when ``loss_fn`` is not callable or ``model`` is not an NNX
       object (a params pytree, say).
+    ValueError: from the returned function, at trace time, when the snapshot
+      was taken after the clean pass: the loss mutates RNG counters or batch
+      statistics, and the model still holds the snapshot's values there.
 
   Example:
     >>> import jax.numpy as jnp, optax, optax_gsam
@@ -244,7 +321,8 @@ def nnx_loss_fn(
   def is_param(path, value):
     return path[0] == 0 and in_wrt(path[1:], value)
 
-  graphdef, _, *others = nnx.split((model, [leaves[i] for i in node_at]), is_param, ...)
+  originals = (model, [leaves[i] for i in node_at])
+  graphdef, _, *others = nnx.split(originals, is_param, ...)
   # Pure arrays: nnx.merge makes new Variables at the trace level of the call.
   rest = nnx.as_pure(others[0])
 
@@ -254,6 +332,8 @@ def nnx_loss_fn(
     for i, node in zip(node_at, nodes, strict=True):
       call_leaves[i] = node
     call_args, call_kwargs = jax.tree.unflatten(treedef, call_leaves)
-    return loss_fn(copy, *call_args, **call_kwargs)
+    output = loss_fn(copy, *call_args, **call_kwargs)
+    _check_snapshot_precedes_clean_pass(rest, (copy, nodes), originals, is_param)
+    return output
 
   return perturbed_loss_fn

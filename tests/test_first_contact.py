@@ -82,6 +82,77 @@ def test_unrelated_type_errors_in_the_loss_are_not_rewritten():
     tx.update(p, tx.init(p), p, loss_fn=broken)
 
 
+# --- a loss_fn that ignores its argument, and one that is not a scalar -------------------------
+
+
+def ignoring_transforms():
+  return {
+    "gsam": optax_gsam.gsam(0.1, 0.3),
+    "sam": optax_gsam.sam(0.1),
+    "momentum_sam": optax_gsam.momentum_sam(0.1),
+    "num_groups": optax_gsam.gsam(0.1, 0.3, num_groups=2),
+  }
+
+
+@pytest.mark.parametrize("name", ["gsam", "sam", "momentum_sam", "num_groups"])
+def test_loss_fn_that_closes_over_the_step_params_is_rejected_with_the_fix(name):
+  tx = ignoring_transforms()[name]
+  p, loss_jax = float32_problem(seed=33)
+  grads = jax.grad(loss_jax)(p)
+  ignoring = lambda q, *group: loss_jax(p)  # the step's own params, not its argument
+  with pytest.raises(
+    ValueError, match=r"does not depend on its argument.*lambda p: loss\(p, batch\)"
+  ):
+    jax.jit(lambda g, params: tx.update(g, tx.init(params), params, loss_fn=ignoring))(grads, p)
+  with pytest.raises(ValueError, match="does not depend on its argument"):
+    tx.update(grads, tx.init(p), p, loss_fn=ignoring)  # eagerly too
+
+
+def test_valid_loss_functions_are_not_rejected():
+  float_p = {"used": jnp.array([1.0, -2.0]), "unused": jnp.ones(3)}
+  float_g = {"used": jnp.array([2.0, -4.0]), "unused": jnp.zeros(3)}
+  partial = lambda q: jnp.sum(q["used"] ** 2)  # depends on some params only
+  tx = optax_gsam.gsam(0.1, 0.3)
+  updates, state = tx.update(float_g, tx.init(float_p), float_p, loss_fn=partial)
+  assert float(state.perturbed_grad_norm) > 0
+  np.testing.assert_array_equal(updates["unused"], 0.0)
+  # with (loss, aux), per group, and through jit
+  grouped = optax_gsam.gsam(0.1, 0.3, num_groups=2)
+  with_group = lambda q, group: (partial(q) * (1.0 + group), {"group": group})
+  jax.jit(lambda g: grouped.update(g, grouped.init(float_p), float_p, loss_fn=with_group))(float_g)
+  # value_and_grad_fn computes its own gradient and is not inspected (a constant value is fine).
+  fixed = lambda q: (jnp.float32(1.0), float_g)
+  updates, _ = tx.update(float_g, tx.init(float_p), float_p, value_and_grad_fn=fixed)
+  jax.tree.map(np.testing.assert_allclose, updates, float_g)
+
+
+def test_zero_gradient_of_a_loss_that_uses_its_argument_is_accepted():
+  w = jnp.zeros(3)
+  tx = optax_gsam.gsam(0.1, 0.3)
+  updates, _ = tx.update(w, tx.init(w), w, loss_fn=lambda v: jnp.sum(v**2))  # zero at w = 0
+  np.testing.assert_array_equal(updates, 0.0)
+  # stop_gradient on the whole argument is a loss without a gradient path: rejected.
+  with pytest.raises(ValueError, match="does not depend on its argument"):
+    tx.update(w, tx.init(w), w, loss_fn=lambda v: jnp.sum(jax.lax.stop_gradient(v) ** 2))
+
+
+@pytest.mark.parametrize(
+  "loss_fn,match",
+  [
+    (jnp.cos, r"scalar loss .*got shape \(3,\)"),
+    (lambda w: (jnp.cos(w), 0.0), r"scalar loss .*got shape \(3,\)"),
+    (lambda w: jnp.sum(w).astype(jnp.int32), "real floating-point loss, got dtype int32"),
+    (lambda w: {"loss": jnp.sum(w)}, "scalar loss or a \\(loss, aux\\) pair, got dict"),
+  ],
+)
+@pytest.mark.parametrize("transform", ["gsam", "momentum_sam"])
+def test_loss_fn_that_is_not_a_real_scalar_raises_value_error(loss_fn, match, transform):
+  w = jnp.ones(3)
+  tx = ignoring_transforms()[transform]
+  with pytest.raises(ValueError, match=match):
+    tx.update(w, tx.init(w), w, loss_fn=loss_fn)
+
+
 # --- pmap with axis_name unset ----------------------------------------------------------------
 
 

@@ -53,10 +53,10 @@ def data(n=16, d=4):
   return x, y
 
 
-def make_state(tx):
+def make_state(tx, cls=None):
   x, _ = data()
   variables = LinenNet().init(jax.random.key(0), x, train=False)
-  return BatchNormState.create(
+  return (cls or BatchNormState).create(
     apply_fn=LinenNet().apply,
     params=variables["params"],
     tx=tx,
@@ -167,7 +167,13 @@ def test_linen_batch_stats_come_from_the_clean_pass():
   assert float(optax.tree.get(new_state.opt_state, "rho")) == pytest.approx(rho)
 
 
-def recording_state():
+class CustomKeywordState(BatchNormState):
+  """A state whose tx has a transform of the user's own that reads `custom=`."""
+
+  forwarded_keywords = (*TrainState.forwarded_keywords, "custom")
+
+
+def recording_state(cls=None):
   """A TrainState whose transform records the extra arguments it receives."""
   seen = {}
 
@@ -176,11 +182,11 @@ def recording_state():
     return updates, state
 
   recorder = optax.GradientTransformationExtraArgs(lambda p: optax.EmptyState(), update_fn)
-  return make_state(optax.chain(recorder, optax.sgd(LR))), seen
+  return make_state(optax.chain(recorder, optax.sgd(LR)), cls), seen
 
 
 def test_train_state_forwards_non_field_kwargs_only():
-  state, seen = recording_state()
+  state, seen = recording_state(CustomKeywordState)
   grads = jax.tree.map(jnp.ones_like, state.params)
   new_stats = jax.tree.map(lambda s: s + 1.0, state.batch_stats)
 
@@ -249,6 +255,16 @@ def nnx_gsam_step_split_late(model, optimizer, x, y):
 
 
 @nnx.jit
+def nnx_gsam_step_other_mask(model, optimizer, x, y):
+  """A wrong step nnx_loss_fn cannot see: the RNG advances between the snapshot and the clean pass."""
+  perturbed_loss = nnx_loss_fn(cross_entropy, model, x, y)
+  model.dropout.rngs()  # one extra draw: the clean pass uses the next key
+  loss, grads = nnx.value_and_grad(cross_entropy)(model, x, y)
+  optimizer.update(model, grads, loss_fn=perturbed_loss, value=loss)
+  return loss
+
+
+@nnx.jit
 def nnx_plain_step(model, optimizer, x, y):
   loss, grads = nnx.value_and_grad(cross_entropy)(model, x, y)
   optimizer.update(model, grads)
@@ -271,12 +287,13 @@ def test_nnx_perturbed_pass_sees_clean_rng_and_stats_are_clean():
       chex.assert_trees_all_close(
         nnx.state(gsam_model, kind), nnx.state(plain_model, kind), rtol=1e-5, atol=1e-7
       )
-  # Negative control: splitting after the clean pass uses another dropout mask.
-  late_model, late_opt = nnx_pair(TX_RHO0)
+  # Negative control: a perturbed pass with another dropout mask changes the rho = 0 step.
+  wrong_model, wrong_opt = nnx_pair(TX_RHO0)
   right_model, right_opt = nnx_pair(TX_RHO0)
-  nnx_gsam_step_split_late(late_model, late_opt, x, y)
+  nnx_gsam_step_other_mask(wrong_model, wrong_opt, x, y)
+  right_model.dropout.rngs()  # the same clean pass as the wrong step's
   nnx_gsam_step(right_model, right_opt, x, y)
-  params = (nnx.state(late_model, nnx.Param), nnx.state(right_model, nnx.Param))
+  params = (nnx.state(wrong_model, nnx.Param), nnx.state(right_model, nnx.Param))
   assert max_tree_diff(*params) > 1e-3
 
 
@@ -366,6 +383,16 @@ def mnist_gsam_step_snapshot_late(model, optimizer, metrics, rngs, batch):
   optimizer.update(model, grads, loss_fn=perturbed_loss, value=loss)
 
 
+@nnx.jit
+def mnist_gsam_step_other_rngs(model, optimizer, metrics, rngs, batch):
+  """A wrong step: the perturbed pass draws from another RNG stream."""
+  perturbed_loss = nnx_loss_fn(mnist_loss_fn, model, nnx.Rngs(99), batch)
+  grad_fn = nnx.value_and_grad(mnist_loss_fn, has_aux=True)
+  (loss, logits), grads = grad_fn(model, rngs, batch)
+  metrics.update(loss=loss, logits=logits, labels=batch["label"])
+  optimizer.update(model, grads, loss_fn=perturbed_loss, value=loss)
+
+
 def mnist_batch(n=16):
   return {
     "image": jax.random.uniform(jax.random.key(20), (n, 8, 8, 1)),
@@ -398,12 +425,12 @@ def test_nnx_rngs_argument_step_equals_plain_step_at_rho_zero():
       float(p_metrics.compute()["loss"]), rel=1e-6
     )
   assert int(p_rngs.default.count[...]) == 4  # two dropout layers, two steps
-  # Negative control: a snapshot after the clean pass draws other masks, so the update differs.
-  late = mnist_setup(TX_RHO0)
+  # Negative control: other masks in the perturbed pass, so the update differs.
+  wrong = mnist_setup(TX_RHO0)
   right = mnist_setup(TX_RHO0)
-  mnist_gsam_step_snapshot_late(*late, batch)
+  mnist_gsam_step_other_rngs(*wrong, batch)
   mnist_gsam_step(*right, batch)
-  assert max_tree_diff(nnx.state(late[0], nnx.Param), nnx.state(right[0], nnx.Param)) > 1e-4
+  assert max_tree_diff(nnx.state(wrong[0], nnx.Param), nnx.state(right[0], nnx.Param)) > 1e-4
 
 
 def test_nnx_loss_fn_redraws_the_clean_masks_and_leaves_state_alone():
@@ -666,3 +693,79 @@ def test_fp8_loss_fn_receives_params_only_and_clean_fp8_statistics_are_stored():
   # The clean pass's function itself, given params["params"], finds no "params" collection.
   with pytest.raises(flax.errors.ScopeCollectionNotFound):
     jax.jit(lambda s, g: s.apply_gradients(grads=g, loss_fn=loss_of))(state, grads)
+
+
+# --- Keywords nothing reads, and the two-function form of Flax's MNIST example ----------------
+
+
+@pytest.mark.parametrize(
+  "keyword,suggestion",
+  [("stats", "batch_stats"), ("bn_stats", "batch_stats"), ("valu", "value"), ("custom", None)],
+)
+def test_apply_gradients_rejects_keywords_that_nothing_reads(keyword, suggestion):
+  state, seen = recording_state()
+  grads = jax.tree.map(jnp.ones_like, state.params)
+  match = rf"got {keyword}=, which is neither a field.*" + (
+    rf"did you mean {suggestion}=" if suggestion else r"forwarded_keywords = \(\*TrainState"
+  )
+  with pytest.raises(TypeError, match=match):
+    state.apply_gradients(grads=grads, loss_fn=lambda p: 0.0, **{keyword: state.batch_stats})
+  assert not seen  # nothing reached tx.update
+
+
+def test_update_keyword_near_misses_are_caught_for_the_core_transforms():
+  from optax_gsam._src.user_functions import check_extra_args
+
+  with pytest.raises(TypeError, match=r"valu=.*did you mean value="):
+    check_extra_args(["valu"])
+  with pytest.raises(TypeError, match=r"los_fn=.*did you mean loss_fn="):
+    check_extra_args({"los_fn": None})
+  check_extra_args(["value_fn", "grad", "batch_stats", "perturb", "value"])  # other transforms'
+
+
+def test_two_function_form_without_loss_fn_points_to_apply_gradients():
+  """Flax's MNIST example: apply_model computes the gradients, update_model(state, grads)."""
+  state = make_state(TX_GSAM)
+
+  def update_model(state, grads):
+    return state.apply_gradients(grads=grads)
+
+  grads = jax.tree.map(jnp.ones_like, state.params)
+  with pytest.raises(ValueError, match=r"apply_gradients\(grads=grads, loss_fn=loss_fn") as error:
+    update_model(state, grads)
+  assert "update_model(state, grads)" in str(error.value)
+  assert "use optax_gsam.flax.TrainState instead" not in str(error.value)
+
+
+def test_nnx_loss_fn_called_after_the_clean_pass_raises():
+  x, y = data()
+  model, optimizer = nnx_pair(TX_RHO0)
+  with pytest.raises(ValueError, match=r"nnx_loss_fn was called after the clean pass.*before"):
+    nnx_gsam_step_split_late(model, optimizer, x, y)
+  with pytest.raises(ValueError, match="nnx_loss_fn was called after the clean pass"):
+    mnist_gsam_step_snapshot_late(*mnist_setup(TX_RHO0), mnist_batch())
+  # A model whose loss mutates nothing: the order does not matter, and nothing is raised.
+  linear = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
+  linear_optimizer = nnx.Optimizer(linear, TX_GSAM, wrt=nnx.Param)
+  nnx_gsam_step_split_late(linear, linear_optimizer, x, y)
+  assert int(linear_optimizer.step[...]) == 1
+
+
+# --- rho_from_lr inside a trace: Flax's abstract restore -------------------------------------
+
+
+def build_optimizer_tx(num_steps=20):
+  lr = optax.warmup_cosine_decay_schedule(0.0, 1e-2, 2, num_steps, end_value=1e-4)
+  rho = optax_gsam.rho_from_lr(lr, 0.1, 0.02, num_steps=num_steps)
+  return optax.chain(optax_gsam.gsam(rho, alpha=0.3), optax.adamw(lr))
+
+
+def test_optimizer_with_rho_from_lr_built_inside_nnx_eval_shape():
+  abstract = nnx.eval_shape(
+    lambda: nnx.Optimizer(nnx.Linear(4, 3, rngs=nnx.Rngs(0)), build_optimizer_tx(), wrt=nnx.Param)
+  )
+  leaves = jax.tree.leaves(nnx.state(abstract))
+  assert leaves and all(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in leaves)
+  state = make_state(TX_PLAIN)
+  shapes = jax.eval_shape(lambda: build_optimizer_tx().init(state.params))
+  assert jax.tree.structure(shapes) == jax.tree.structure(build_optimizer_tx().init(state.params))

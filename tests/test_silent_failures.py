@@ -160,9 +160,9 @@ def test_a_misspelt_update_keyword_is_refused():
   w, loss_fn = _quadratic()
   tx = optax.chain(optax_gsam.gsam(RHO, ALPHA), optax.sgd(LR))
   loss, grads = jax.value_and_grad(loss_fn)(w)
-  with pytest.raises(TypeError, match=r"'valu'; did you mean 'value'"):
+  with pytest.raises(TypeError, match=r"valu=, .*did you mean value="):
     tx.update(grads, tx.init(w), w, loss_fn=loss_fn, valu=loss)
-  with pytest.raises(TypeError, match=r"'loss_func'; did you mean 'loss_fn'"):
+  with pytest.raises(TypeError, match=r"loss_func=, .*did you mean loss_fn="):
     tx.update(grads, tx.init(w), w, loss_func=loss_fn)
 
 

@@ -14,6 +14,7 @@ from optax_gsam._src import perturbation as pert
 from optax_gsam._src import step
 from optax_gsam._src.arrays import compute_dtype
 from optax_gsam._src.schedules import value_at
+from optax_gsam._src.user_functions import check_extra_args
 from optax_gsam._src.user_functions import scalar_loss
 from optax_gsam._src.user_functions import value_and_grad_from
 from optax_gsam._src.validation import check_axis_name
@@ -137,7 +138,7 @@ def momentum_sam(
     value_and_grad_fn: Callable | None = None,
     **extra_args: Any,
   ) -> tuple[optax.Updates, MomentumSAMState]:
-    del extra_args
+    check_extra_args(extra_args, known=("loss_fn", "value_and_grad_fn"))
     check_update_inputs(updates, params, state.momentum)
     if check_axis:
       check_data_axis_is_set(axis_name)

@@ -17,6 +17,8 @@ def schedule_extrema(schedule: optax.ScalarOrSchedule, num_steps: int) -> tuple[
 
   The schedule is evaluated at every integer step, so warmup, cosine, piecewise
   and joined schedules are all handled exactly; a float is a constant schedule.
+  It is evaluated at once, also inside a trace (``jax.eval_shape`` of a function
+  that builds the optimizer, as Flax's checkpoint restore does).
 
   Args:
     schedule: a float or an ``optax.Schedule``.
@@ -27,8 +29,18 @@ def schedule_extrema(schedule: optax.ScalarOrSchedule, num_steps: int) -> tuple[
   """
   if not callable(schedule):
     return float(schedule), float(schedule)
-  steps = jnp.arange(num_steps + 1, dtype=jnp.int32)
-  values = np.asarray(jax.jit(jax.vmap(schedule))(steps), dtype=np.float64)
+  # Evaluated now even under a trace (jax.eval_shape, nnx.eval_shape of an optimizer built
+  # inside), where the schedule would otherwise be staged out and have no value.
+  with jax.ensure_compile_time_eval():
+    steps = jnp.arange(num_steps + 1, dtype=jnp.int32)
+    values = jax.jit(jax.vmap(schedule))(steps)
+  try:
+    values = np.asarray(values, dtype=np.float64)
+  except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError) as error:
+    raise ValueError(
+      "schedule_extrema evaluates the schedule when the rho schedule is built, and this "
+      "schedule depends on traced values; pass lr_max and lr_min to rho_from_lr instead."
+    ) from error
   if not np.all(np.isfinite(values)):
     raise ValueError("lr_schedule returned a non-finite value within [0, num_steps].")
   return float(values.max()), float(values[-1])

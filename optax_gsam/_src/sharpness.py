@@ -8,7 +8,6 @@ state.
 
 from __future__ import annotations
 
-import difflib
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -22,6 +21,7 @@ from optax_gsam._src import perturbation as pert
 from optax_gsam._src import step
 from optax_gsam._src.policies import SharpnessPolicy
 from optax_gsam._src.policies import policy_from_arguments
+from optax_gsam._src.user_functions import check_extra_args
 from optax_gsam._src.user_functions import group_value_and_grad
 from optax_gsam._src.user_functions import scalar_loss
 from optax_gsam._src.user_functions import value_and_grad_from
@@ -35,7 +35,6 @@ from optax_gsam.typing import Adaptive
 from optax_gsam.typing import AxisName
 
 ON_NONFINITE_CHOICES = ("propagate", "clean")
-UPDATE_KEYWORDS = ("loss_fn", "value_and_grad_fn", "value", "perturb")
 
 
 class GSAMState(NamedTuple):
@@ -118,20 +117,9 @@ def _next_state(
   )
 
 
-def _check_extra_args(extra_args: dict[str, Any]) -> None:
-  """A misspelt keyword of ``update`` (``valu=``) must not be dropped in silence."""
-  for name in extra_args:
-    close = difflib.get_close_matches(name, UPDATE_KEYWORDS, n=1, cutoff=0.75)
-    if close:
-      raise TypeError(
-        f"update() got the unknown argument {name!r}; did you mean {close[0]!r}? gsam/sam "
-        f"take {', '.join(UPDATE_KEYWORDS)} (other arguments go to the rest of the chain)."
-      )
-
-
 def _check_update(updates, state, params, perturb, extra_args, policy, check_axis, axis_name):
   """Everything ``update`` can refuse before tracing anything, each with the fix."""
-  _check_extra_args(extra_args)
+  check_extra_args(extra_args)
   _check_perturb(perturb, policy)
   check_update_inputs(updates, params, state.stored_direction)
   if check_axis:

@@ -1,8 +1,14 @@
-"""How gsam/sam call the user's loss function, and the errors for the usual mistakes."""
+"""How gsam/sam call the user's loss function, and the errors for the usual mistakes.
+
+Every check here runs while the update is traced, never in the compiled step.
+"""
 
 from __future__ import annotations
 
+import difflib
+import sys
 from collections.abc import Callable
+from collections.abc import Iterable
 from typing import Any
 
 import jax
@@ -19,6 +25,31 @@ MISSING_LOSS_HINT = (
   "call nnx.Optimizer.update(model, grads, loss_fn=loss_fn)."
 )
 
+EQUINOX_HINT = (
+  "With Equinox, split the model into its float arrays and the rest, "
+  "params, static = eqx.partition(model, eqx.is_inexact_array), call tx.init(params) and "
+  "tx.update(grads, opt_state, params, loss_fn=lambda p: loss(eqx.combine(p, static), ...)), "
+  "with grads from eqx.filter_value_and_grad (docs/equinox.md)."
+)
+
+IGNORED_ARGUMENT = (
+  "loss_fn's loss does not depend on its argument. gsam/sam call loss_fn(params + epsilon) "
+  "and differentiate it with respect to that argument, so a loss_fn that closes over the "
+  "step's own params (loss_fn=lambda p: loss(params, batch)) gives a zero perturbed gradient: "
+  "GSAM would then step along -alpha * grads and SAM would not move. Use the argument: "
+  "loss_fn=lambda p: loss(p, batch)."
+)
+
+# The keywords gsam/sam/momentum_sam read from update(); a near miss of one is a misspelling.
+UPDATE_KEYWORDS = ("loss_fn", "value_and_grad_fn", "value", "perturb")
+# How close (difflib ratio) a name must be to one of them to be taken for a misspelling:
+# `valu`/`value` is 0.89, `value_fn` (optax's line searches read it)/`value` is 0.77.
+TYPO_CUTOFF = 0.8
+
+
+class MissingLossFunctionError(ValueError):
+  """``update`` got neither ``loss_fn`` nor ``value_and_grad_fn``."""
+
 
 def value_and_grad_from(
   loss_fn: Callable | None, value_and_grad_fn: Callable | None
@@ -27,16 +58,18 @@ def value_and_grad_from(
 
   ``loss_fn`` may return a scalar or ``(loss, aux)`` (a tuple or list, as Flax
   and big_vision losses do): the first element is differentiated and the whole
-  output is returned as the value. The check happens while tracing, at no run
-  time cost.
+  output is returned as the value. Its loss must be a real scalar that depends
+  on the argument (:func:`check_loss`, :func:`depends_on_params`).
+  ``value_and_grad_fn`` is called as it is: it computes its own gradient.
   """
   if (loss_fn is None) == (value_and_grad_fn is None):
-    raise ValueError(
+    error = MissingLossFunctionError if loss_fn is None else ValueError
+    raise error(
       "Pass exactly one of loss_fn (params -> scalar loss, or (loss, aux)) or "
       "value_and_grad_fn (params -> (value, grads)) to update(); got "
       f"loss_fn={'set' if loss_fn is not None else None}, "
       f"value_and_grad_fn={'set' if value_and_grad_fn is not None else None}. "
-      + (MISSING_LOSS_HINT if loss_fn is None and value_and_grad_fn is None else "")
+      + (MISSING_LOSS_HINT if loss_fn is None else "")
     )
   fn = loss_fn if loss_fn is not None else value_and_grad_fn
   if not callable(fn):
@@ -45,31 +78,127 @@ def value_and_grad_from(
   if value_and_grad_fn is not None:
     return lambda params, *args: call_user_function(value_and_grad_fn, params, *args)
 
-  def loss_and_output(params, *args):
-    output = call_user_function(loss_fn, params, *args)
-    loss = output[0] if isinstance(output, (tuple, list)) else output
-    return loss, output
-
   def value_and_grad(params, *args):
+    marker, reached = dependence_marker()
+
+    def loss_and_output(params, *args):
+      output = call_user_function(loss_fn, params, *args)
+      return marker(check_loss(output)), output
+
     (_, output), grads = jax.value_and_grad(loss_and_output, has_aux=True)(params, *args)
+    if not reached and has_float_leaves(params):
+      raise ValueError(IGNORED_ARGUMENT)
     return output, grads
 
   return value_and_grad
 
 
+def dependence_marker() -> tuple[Callable[[jax.Array], jax.Array], list]:
+  """An identity whose derivative rule records, at trace time, that it was reached.
+
+  JAX calls a ``custom_jvp`` rule only when some input tangent is not a
+  symbolic zero, so under ``jax.value_and_grad`` the returned list is non-empty
+  exactly when the marked value depends on the differentiated argument (through
+  an operation with a derivative: ``stop_gradient`` and ``round`` cut the
+  path). The marker costs nothing at run time: it is the identity.
+  """
+  reached: list = []
+
+  @jax.custom_jvp
+  def marker(x):
+    return x
+
+  @marker.defjvp
+  def marker_jvp(primals, tangents):
+    reached.append(True)
+    return primals[0], tangents[0]
+
+  return marker, reached
+
+
+def has_float_leaves(tree: Any) -> bool:
+  """Whether ``tree`` has a leaf that can be differentiated (a float or complex array)."""
+  return any(jnp.issubdtype(jnp.result_type(leaf), jnp.inexact) for leaf in jax.tree.leaves(tree))
+
+
+def check_loss(output: Any) -> jax.Array:
+  """The loss in ``loss_fn``'s output (a scalar or ``(loss, aux)``), checked to be a real scalar."""
+  loss = output[0] if isinstance(output, (tuple, list)) and output else output
+  try:
+    loss = jnp.asarray(loss)
+  except TypeError as error:
+    raise ValueError(
+      f"loss_fn must return a scalar loss or a (loss, aux) pair, got {type(output).__name__}."
+    ) from error
+  if loss.shape != ():
+    raise ValueError(
+      f"loss_fn must return a scalar loss (or (loss, aux)), got shape {loss.shape}: reduce it "
+      "to one number, e.g. jnp.mean(per_example_losses)."
+    )
+  if not jnp.issubdtype(loss.dtype, jnp.floating):
+    raise ValueError(f"loss_fn must return a real floating-point loss, got dtype {loss.dtype}.")
+  return loss
+
+
 def call_user_function(fn: Callable, params: optax.Params, *args: Any) -> Any:
-  """``fn(params, *args)``, explaining the NNX mistake of a ``loss_fn(model)``."""
+  """``fn(params, *args)``, explaining the Flax NNX and Equinox mistakes of a ``loss_fn(model)``."""
   try:
     return fn(params, *args)
-  except TypeError as error:
-    if "not callable" in str(error) and type(params).__module__.startswith("flax"):
+  except (TypeError, AttributeError) as error:
+    message = str(error)
+    if "not callable" in message and type(params).__module__.startswith("flax"):
       raise TypeError(
         f"loss_fn received the params ({type(params).__name__}) and tried to call them: "
         "gsam/sam call loss_fn(params) with the parameter pytree, not the model. With Flax "
         "NNX, build the loss of params with optax_gsam.flax.nnx_loss_fn(loss_fn, model, "
         "*args) before the clean pass (docs/flax.md shows both NNX styles)."
       ) from error
+    if "NoneType" in message and holds_equinox_module(params):
+      raise TypeError(
+        f"loss_fn received the params (an Equinox {type(params).__name__} filtered to its "
+        "arrays, in which the activation functions and other non-array fields are None) "
+        f"and used them as the model ({message}). gsam/sam call loss_fn with exactly what "
+        "tx.update gets as params. Put the rest of the model back inside loss_fn: " + EQUINOX_HINT
+      ) from error
     raise
+
+
+def holds_equinox_module(tree: Any) -> bool:
+  """Whether ``tree`` is or holds an ``equinox.Module`` (False when equinox is not imported)."""
+  equinox = sys.modules.get("equinox")
+  module_type = getattr(equinox, "Module", None)
+  if module_type is None:
+    return False
+  is_module = lambda x: isinstance(x, module_type)
+  return any(is_module(leaf) for leaf in jax.tree.leaves(tree, is_leaf=is_module))
+
+
+def structure_mismatch_hint(updates: Any, params: Any) -> str:
+  """What to do when the gradient and params differ in structure ("" when there is no hint).
+
+  An Equinox model passed whole as params holds its functions and Python
+  fields as leaves, which the filtered gradient holds as None.
+  """
+  if holds_equinox_module(params) or holds_equinox_module(updates):
+    return " " + EQUINOX_HINT
+  return ""
+
+
+def check_extra_args(extra_args: Iterable[str], known: tuple[str, ...] = UPDATE_KEYWORDS) -> None:
+  """Raises a TypeError for an extra keyword of ``update`` that is a near miss of a known one.
+
+  optax chains forward every keyword to every transform, so unknown keywords
+  (another transform's) are accepted; ``valu=`` for ``value=`` is not, since
+  nothing would read it and the surrogate gap would silently stay 0.
+  """
+  for name in extra_args:
+    close = difflib.get_close_matches(name, known, n=1, cutoff=TYPO_CUTOFF)
+    if close and name not in known:
+      raise TypeError(
+        f"update() got {name}=, which no argument of gsam/sam reads; did you mean "
+        f"{close[0]}=? ({', '.join(known)} are read; other keywords are left to the other "
+        "transforms of the chain.)"
+      )
 
 
 def scalar_loss(value: Any) -> jax.Array:
