@@ -8,16 +8,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _problems import make_problem
+from _problems import float32_problem
 from jax.sharding import PartitionSpec as P
 
 import optax_gsam
-
-
-def float32_problem(seed):
-  params, loss_jax, _, _ = make_problem(seed=seed)
-  return jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), params), loss_jax
-
 
 # --- (loss, aux) loss functions ---------------------------------------------------------------
 
@@ -294,13 +288,6 @@ def test_on_nonfinite_clean_under_per_device_perturbation(kind):
   expected = jax.tree.map(lambda g: g * jnp.mean(1.0 + x), jax.grad(loss_jax)(p))
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), updates, expected)
   assert int(state.fallback_count) == 1 and int(state.full_steps) == 0
-
-
-def test_on_nonfinite_is_validated():
-  with pytest.raises(ValueError, match="on_nonfinite must be one of"):
-    optax_gsam.gsam(0.1, on_nonfinite="skip")
-  with pytest.raises(ValueError, match="on_nonfinite must be one of"):
-    optax_gsam.sam(0.1, on_nonfinite=None)
 
 
 # --- A readable core --------------------------------------------------------------------------
