@@ -269,10 +269,10 @@ NONFINITE_ON_ONE_DEVICE = {
 
 
 @pytest.mark.parametrize("kind", list(NONFINITE_ON_ONE_DEVICE))
-def test_on_nonfinite_clean_under_per_device_perturbation(kind):
+def test_on_nonfinite_clean_under_per_device_perturbation(kind, data_mesh):
   """One device's non-finite perturbed pass makes every device output the averaged clean gradient."""
   p, loss_jax = float32_problem(seed=35)
-  mesh = jax.make_mesh((8,), ("data",))
+  mesh = data_mesh
   tx = optax_gsam.gsam(0.1, 0.3, axis_name="data", on_nonfinite="clean")
   x = jnp.arange(8.0)
 

@@ -127,8 +127,8 @@ def test_perturb_every_one_is_bitwise_the_plain_transform():
   jax.tree.map(np.testing.assert_array_equal, results[0], results[1])
 
 
-def test_sync_mode_on_a_mesh_equals_single_device_cheap_gsam():
-  mesh = jax.make_mesh((8,), ("data",))
+def test_sync_mode_on_a_mesh_equals_single_device_cheap_gsam(data_mesh):
+  mesh = data_mesh
   params, _, _, _ = make_problem(seed=14)
   rng = np.random.default_rng(0)
   x = jnp.asarray(rng.normal(size=(32, 5)), jnp.float32)

@@ -228,11 +228,11 @@ def test_skipping_zero_rho_is_opt_in_for_the_default_policy():
   assert count_loss_traces(zero, params, loss_jax) == 1
 
 
-def test_policies_agree_across_devices_and_count_the_same_steps():
+def test_policies_agree_across_devices_and_count_the_same_steps(data_mesh):
   """Per-device perturbation under shard_map: one decision for all devices."""
   params, loss_jax = float32_problem(seed=25, n=16)
   x = jax.random.normal(jax.random.key(0), (16, 5))
-  mesh = jax.make_mesh((8,), ("data",))
+  mesh = data_mesh
   for policy in (
     optax_gsam.gradient_norm_policy(0.0, decay=0.5),
     optax_gsam.random_policy(0.5, key=jax.random.key(1)),

@@ -120,8 +120,8 @@ def test_chunk_size_larger_than_the_batch_is_an_error():
     towers(p, {"query": jnp.ones((3, 3)), "doc": jnp.ones((12, 3))})
 
 
-def test_chunk_size_larger_than_the_local_shard_is_an_error():
-  mesh = jax.make_mesh((8,), ("data",))
+def test_chunk_size_larger_than_the_local_shard_is_an_error(data_mesh):
+  mesh = data_mesh
   fn = optax_gsam.cached_value_and_grad(mlp, sum_loss, chunk_size=4, axis_name="data")
   sharded = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P(), P("data")), out_specs=(P(), P())))
   # 16 examples over 8 devices: 2 per shard, fewer than chunk_size.
@@ -469,8 +469,8 @@ def test_same_inputs_give_bitwise_identical_outputs():
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), jitted, eager)
 
 
-def test_data_parallel_and_gradient_cache_are_deterministic():
-  mesh = jax.make_mesh((8,), ("data",))
+def test_data_parallel_and_gradient_cache_are_deterministic(data_mesh):
+  mesh = data_mesh
   rng = np.random.default_rng(9)
   x = jnp.asarray(rng.normal(size=(32, 5)), jnp.float32)
   params = {"w": jnp.asarray(rng.normal(size=(5, 3)), jnp.float32)}
