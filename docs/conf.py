@@ -9,8 +9,8 @@ import re
 import optax_gsam
 
 project = "optax_gsam"
-author = "optax_gsam authors"
-copyright = "optax_gsam authors"
+author = "optax_gsam developers"
+copyright = "optax_gsam developers"
 release = optax_gsam.__version__
 version = release
 
@@ -18,7 +18,11 @@ extensions = [
   "myst_parser",
   "sphinx.ext.autodoc",
   "sphinx.ext.napoleon",
+  "sphinx.ext.intersphinx",
   "sphinx.ext.mathjax",
+  # MathJax 3 from the sphinx-mathjax-offline package, copied into _static/mathjax: the pages
+  # render their maths without a network (no CDN).
+  "sphinx-mathjax-offline",
 ]
 
 source_suffix = {".md": "markdown"}
@@ -33,30 +37,51 @@ myst_heading_anchors = 3
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False
 napoleon_use_ivar = True  # NamedTuple "Attributes:" as fields, not duplicate attribute entries.
+# The field types are in the class signature; napoleon would repeat them evaluated, under the
+# private module paths of their classes (jax.Array is jaxlib._jax.Array).
+napoleon_attr_annotations = False
 autodoc_member_order = "bysource"
 autodoc_typehints = "signature"
-# Show optax's aliases by name instead of their expansion (the modules use string annotations).
+# Type aliases are shown by their public name, linked (the modules use string annotations, and
+# autodoc would otherwise print the expansion or the private name written in the source):
+# optax's through the local optax inventory, optax_gsam's to their entries in optax_gsam.typing.
+_OPTAX_ALIASES = ("ScalarOrSchedule", "Schedule", "Params", "Updates", "OptState")
+_PUBLIC_ALIASES = ("Adaptive", "AxisName", "DecideFn", "EmbedFn", "EmbeddingLossFn")
 autodoc_type_aliases = {
-  name: name
-  for name in (
-    "optax.ScalarOrSchedule",
-    "optax.Schedule",
-    "optax.Params",
-    "optax.Updates",
-    "optax.OptState",
-    "pert.Adaptive",
-    "AxisName",
-    "EmbedFn",
-    "LossFn",
-  )
+  **{f"optax.{name}": f"optax.{name}" for name in _OPTAX_ALIASES},
+  **{name: f"optax_gsam.typing.{name}" for name in _PUBLIC_ALIASES},
+  # The source of gsam/sam spells the alias through the private module.
+  "pert.Adaptive": "optax_gsam.typing.Adaptive",
+  # Classes whose __module__ is private (jax.Array is jaxlib._jax.Array, optax's transformations
+  # live in optax._src.base): kept as the public name the source writes.
+  **{
+    name: name
+    for name in (
+      "jax.Array",
+      "optax.GradientTransformation",
+      "optax.GradientTransformationExtraArgs",
+      "jax.sharding.Mesh",
+    )
+  },
+  "Mesh": "jax.sharding.Mesh",
 }
 autodoc_class_signature = "mixed"
 add_module_names = True
 
-# Every cross-reference must resolve (a broken :func:`optax_gsam.x` fails the build), except the
-# type hints of other libraries: without network access there is no intersphinx inventory for them.
+# Every cross-reference must resolve, optax_gsam's own and those to Python, JAX and optax alike: a misspelt `optax.Shedule` in a signature fails the build. The builds have no
+# network, so intersphinx reads small local inventories of the names the docs use
+# (docs/_inventories/*.inv, written by tools/make_inventories.py; add a name there when a
+# signature starts to use it). The links point at each project's online documentation.
 nitpicky = True
-nitpick_ignore_regex = [("py:class", r"(?!optax_gsam\.).*")]
+intersphinx_mapping = {
+  project: (url, f"_inventories/{project}.inv")
+  for project, url in {
+    "python": "https://docs.python.org/3/",
+    "jax": "https://docs.jax.dev/en/latest/",
+    "optax": "https://optax.readthedocs.io/en/latest/",
+  }.items()
+}
+intersphinx_timeout = 1  # never wait on a network: the inventories are local files
 
 html_theme = "furo"
 html_title = f"optax_gsam {release}"

@@ -22,8 +22,8 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Callable
-from collections.abc import Hashable
 from typing import Any
+from typing import TypeGuard
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +35,7 @@ from optax_gsam._src.schedules import rho_from_lr
 from optax_gsam._src.schedules import schedule_extrema
 from optax_gsam._src.sharpness import gsam
 from optax_gsam._src.validation import check_non_negative
+from optax_gsam.typing import AxisName
 
 __all__ = (
   "gsam_from_config",
@@ -86,7 +87,8 @@ def _as_dict(value, name: str) -> dict[str, Any]:
   return {key: value[key] for key in value.keys()}
 
 
-def _is_int(value) -> bool:
+def _is_int(value) -> TypeGuard[int]:
+  # np.integer is no int subclass, but it does what the callers do with an int.
   return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
@@ -124,7 +126,7 @@ def _as_flag(name: str, value) -> bool:
   )
 
 
-def num_train_steps(config, num_examples: int) -> int:
+def num_train_steps(config: Any, num_examples: int) -> int:
   """Total training steps as big_vision's trainers compute them.
 
   ``int(config.num_epochs * num_examples / config.batch_size)`` when
@@ -153,9 +155,8 @@ def num_train_steps(config, num_examples: int) -> int:
     if not (_is_int(num_examples) and num_examples > 0):
       raise ValueError(f"num_examples must be a positive int, got {num_examples!r}.")
     return int(cfg["num_epochs"] * num_examples / batch_size)
-  total_steps = cfg.get("total_steps")
-  _check_total_steps(total_steps)
-  return total_steps
+  _check_total_steps(cfg.get("total_steps"))
+  return int(cfg["total_steps"])
 
 
 def _global_schedule(config: dict[str, Any]) -> dict[str, Any]:
@@ -192,7 +193,34 @@ def _duration(schedule: dict[str, Any], prefix: str, total_steps: int) -> int:
   return 0
 
 
-def lr_schedule(config, total_steps: int) -> optax.Schedule:
+def _schedule_config(config) -> tuple[float, dict[str, Any], str]:
+  """``(config.lr, config.schedule, its decay_type)``, each checked against what is supported."""
+  cfg = _as_dict(config, "config")
+  if "lr" not in cfg:
+    raise ValueError("config.lr is required: big_vision scales its schedule by it.")
+  base_lr = cfg["lr"]
+  if not (_is_number(base_lr) and math.isfinite(base_lr) and base_lr >= 0):
+    raise ValueError(f"config.lr must be a finite number >= 0, got {base_lr!r}.")
+  schedule = _global_schedule(cfg)
+  for key in schedule:
+    if key not in SCHEDULE_KEYS:
+      hint = " Convert durations to *_steps." if key.endswith(("_epochs", "_examples")) else ""
+      raise ValueError(
+        f"Unsupported key config.schedule.{key}.{hint} Supported keys: {', '.join(SCHEDULE_KEYS)}."
+      )
+  if schedule.get("scale_with_batchsize", False):
+    raise ValueError(
+      "config.schedule.scale_with_batchsize=True is not supported; scale config.lr instead."
+    )
+  decay_type = schedule.get("decay_type", "stair")
+  if decay_type not in DECAY_TYPES:
+    raise ValueError(
+      f"Unsupported config.schedule.decay_type {decay_type!r}; supported: {DECAY_TYPES}."
+    )
+  return base_lr, schedule, decay_type
+
+
+def lr_schedule(config: Any, total_steps: int) -> optax.Schedule:
   r"""The absolute learning rate of a big_vision config, as an ``optax.Schedule``.
 
   big_vision's optimizer multiplies ``config.lr`` by a *relative* schedule
@@ -249,28 +277,7 @@ def lr_schedule(config, total_steps: int) -> optax.Schedule:
     2022 (``big_vision/utils.py``, ``create_learning_rate_schedule``).
   """
   _check_total_steps(total_steps)
-  cfg = _as_dict(config, "config")
-  if "lr" not in cfg:
-    raise ValueError("config.lr is required: big_vision scales its schedule by it.")
-  base_lr = cfg["lr"]
-  if not (_is_number(base_lr) and math.isfinite(base_lr) and base_lr >= 0):
-    raise ValueError(f"config.lr must be a finite number >= 0, got {base_lr!r}.")
-  schedule = _global_schedule(cfg)
-  for key in schedule:
-    if key not in SCHEDULE_KEYS:
-      hint = " Convert durations to *_steps." if key.endswith(("_epochs", "_examples")) else ""
-      raise ValueError(
-        f"Unsupported key config.schedule.{key}.{hint} Supported keys: {', '.join(SCHEDULE_KEYS)}."
-      )
-  if schedule.get("scale_with_batchsize", False):
-    raise ValueError(
-      "config.schedule.scale_with_batchsize=True is not supported; scale config.lr instead."
-    )
-  decay_type = schedule.get("decay_type", "stair")
-  if decay_type not in DECAY_TYPES:
-    raise ValueError(
-      f"Unsupported config.schedule.decay_type {decay_type!r}; supported: {DECAY_TYPES}."
-    )
+  base_lr, schedule, decay_type = _schedule_config(config)
   base = schedule.get("mult", 1.0)
   warmup = _duration(schedule, "warmup", total_steps)
   cooldown = _duration(schedule, "cooldown", total_steps)
@@ -333,7 +340,7 @@ def _gsam_config(config) -> dict[str, Any]:
   return gsam_cfg
 
 
-def rho_schedule(config, total_steps: int, *, clamp: bool | None = None) -> optax.Schedule:
+def rho_schedule(config: Any, total_steps: int, *, clamp: bool | None = None) -> optax.Schedule:
   r"""The GSAM radius of a big_vision config, as a schedule of the step count.
 
   :func:`optax_gsam.rho_from_lr` applied to :func:`lr_schedule`:
@@ -403,11 +410,11 @@ def rho_schedule(config, total_steps: int, *, clamp: bool | None = None) -> opta
 
 
 def gsam_from_config(
-  config,
+  config: Any,
   total_steps: int,
   *,
   clamp: bool | None = None,
-  axis_name: Hashable | tuple[Hashable, ...] | None = None,
+  axis_name: AxisName = None,
   sync_perturbation: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
   r"""The :func:`optax_gsam.gsam` transform of a big_vision config.

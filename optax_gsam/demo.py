@@ -12,6 +12,8 @@ import argparse
 import dataclasses
 import time
 from collections.abc import Callable
+from typing import Any
+from typing import cast
 
 import flax.linen as nn
 import jax
@@ -19,6 +21,9 @@ import numpy as np
 import optax
 
 import optax_gsam
+
+# A script (python -m optax_gsam.demo): its entry point is its only public name.
+__all__ = ("main",)
 
 
 class MLP(nn.Module):
@@ -28,7 +33,7 @@ class MLP(nn.Module):
   num_classes: int = 10
 
   @nn.compact
-  def __call__(self, x):
+  def __call__(self, x: jax.Array) -> jax.Array:
     x = nn.gelu(nn.Dense(self.hidden)(x))
     x = nn.gelu(nn.Dense(self.hidden)(x))
     return nn.Dense(self.num_classes)(x)
@@ -91,7 +96,7 @@ def make_optimizer(
   raise ValueError(f"unknown optimizer {name!r}")
 
 
-def cross_entropy(logits, labels):
+def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
   return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
 
 
@@ -141,7 +146,7 @@ def train(
     losses.append(float(np.mean(epoch_losses)))
     if progress is not None:
       progress(1)
-  logits = model.apply(params, data.x_test)
+  logits = cast(jax.Array, model.apply(params, data.x_test))  # no mutable collections
   accuracy = float(np.mean(np.argmax(logits, axis=-1) == data.y_test))
   gap = float(optax.tree.get(opt_state, "surrogate_gap")) if sharpness_aware else None
   # Drop the first epoch's steps: they include compilation.
@@ -149,7 +154,7 @@ def train(
   return RunResult(name, accuracy, losses[-1], seconds_per_step, gap, losses)
 
 
-def summarize(results: list[RunResult]) -> list[dict]:
+def summarize(results: list[RunResult]) -> list[dict[str, Any]]:
   """Mean and standard deviation over seeds, per optimizer, in the order given."""
   names = list(dict.fromkeys(r.name for r in results))
   base_time = np.mean([r.seconds_per_step for r in results if r.name == names[0]])
@@ -172,7 +177,7 @@ def summarize(results: list[RunResult]) -> list[dict]:
   return rows
 
 
-def format_table(rows: list[dict]) -> str:
+def format_table(rows: list[dict[str, Any]]) -> str:
   """A plain-text table of :func:`summarize`'s rows."""
   cells = [
     ("optimizer", "test acc (mean ± std)", "final loss", "surrogate gap", "step time / base")
@@ -196,7 +201,7 @@ def format_table(rows: list[dict]) -> str:
   return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> list[dict]:
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--label-noise", type=float, default=0.2, help="share of noisy train labels")
   parser.add_argument("--epochs", type=int, default=40)

@@ -114,7 +114,9 @@ class TrainState(train_state.TrainState):
   forwarded_keywords: ClassVar[tuple[str, ...]] = (*UPDATE_KEYWORDS, "grad", "value_fn")
 
   @classmethod
-  def create(cls, *, apply_fn: Any, params: Any, tx: optax.GradientTransformation, **kwargs: Any):
+  def create(
+    cls, *, apply_fn: Any, params: Any, tx: optax.GradientTransformation, **kwargs: Any
+  ) -> TrainState:
     """Flax's ``TrainState.create``, with ``tx`` checked first.
 
     Raises:
@@ -206,7 +208,8 @@ _SNAPSHOT_AFTER_CLEAN_PASS = (
 
 
 def _non_param_leaves(objects: Any, is_param: Callable[..., bool]) -> list[Any]:
-  return jax.tree.leaves(nnx.as_pure(nnx.split(objects, is_param, ...)[2]))
+  _, _, *rest = nnx.split(objects, is_param, ...)
+  return jax.tree.leaves(nnx.as_pure(rest[0]))
 
 
 def _check_snapshot_precedes_clean_pass(
@@ -319,9 +322,9 @@ def nnx_loss_fn(
     return path[0] == 0 and in_wrt(path[1:], value)
 
   originals = (model, [leaves[i] for i in node_at])
-  graphdef, _, rest = nnx.split(originals, is_param, ...)
+  graphdef, _, *others = nnx.split(originals, is_param, ...)
   # Pure arrays: nnx.merge makes new Variables at the trace level of the call.
-  rest = nnx.as_pure(rest)
+  rest = nnx.as_pure(others[0])
 
   def perturbed_loss_fn(params):
     copy, nodes = nnx.merge(graphdef, nnx.State({0: params}), rest)

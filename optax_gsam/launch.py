@@ -33,7 +33,8 @@ JAX catches SIGTERM as a preemption notice). This matters: when one process
 dies, the others wait in a collective until JAX's heartbeat timeout (100 s by
 default), and a process that raises or calls ``sys.exit(n)`` waits in JAX's
 shutdown barrier (300 s by default) unless it exits at once, which
-:func:`initialize` arranges. SIGINT, SIGTERM and SIGHUP to the launcher stop
+:func:`initialize` arranges in the processes this launcher starts (and nowhere
+else unless asked: it replaces ``sys.exit`` and ``sys.excepthook``). SIGINT, SIGTERM and SIGHUP to the launcher stop
 the job the same way (exit status 128 + the signal; one that the launcher
 inherits as ignored, as under ``nohup``, stays ignored). On Linux the kernel
 also kills each process the launcher started (not what those start) if the
@@ -110,6 +111,8 @@ def process_env(
     JAX_NUM_PROCESSES=str(num_processes),
     JAX_PROCESS_ID=str(process_id),
     PYTHONUNBUFFERED="1",  # lines reach the launcher as they are printed
+    # initialize() patches sys.exit and sys.excepthook only where this is set.
+    OPTAX_GSAM_FAIL_FAST="1",
   )
   return env
 
@@ -173,7 +176,7 @@ def initialize(
   num_processes: int | None = None,
   process_id: int | None = None,
   *,
-  exit_on_uncaught_exception: bool = True,
+  exit_on_uncaught_exception: bool | None = None,
 ) -> None:
   """``jax.distributed.initialize`` with the arguments of this launcher's environment.
 
@@ -194,7 +197,11 @@ def initialize(
     exit_on_uncaught_exception: make an uncaught exception (status 1, traceback
       printed) or a non-zero ``sys.exit(status)`` end this process at once
       instead of waiting in JAX's shutdown barrier for the other processes, so a
-      launcher or scheduler sees it. ``finally`` blocks and ``with`` exits
+      launcher or scheduler sees it. This replaces ``sys.excepthook`` and
+      ``sys.exit`` for the whole process, so it is never done unasked: ``None``
+      (the default) does it only in processes started by ``python -m
+      optax_gsam.launch``, which sets ``OPTAX_GSAM_FAIL_FAST=1`` for them;
+      ``True`` or ``False`` decide for any process. ``finally`` blocks and ``with`` exits
       still run. ``sys.exit`` is wrapped for this (in the main thread only): a
       bare ``raise SystemExit(status)`` still waits in the barrier (up to
       300 s), and a non-zero ``sys.exit`` that the script catches and survives
@@ -220,6 +227,8 @@ def initialize(
     raise ValueError(f"num_processes must be at least 1, got {num_processes}")
   if num_processes == 1 and coordinator_address is None:
     return  # nobody to connect to; jax.process_count() is 1 as it is
+  if exit_on_uncaught_exception is None:
+    exit_on_uncaught_exception = os.environ.get("OPTAX_GSAM_FAIL_FAST") == "1"
   if exit_on_uncaught_exception:
     _exit_now_on_failure()
   bind_address = None
@@ -243,6 +252,12 @@ def initialize(
       "coordinator_address, num_processes and process_id, or, for a single process, set "
       f"JAX_NUM_PROCESSES=1. (JAX said: {error})"
     ) from error
+
+
+def _report_exit(index: int, process: subprocess.Popen, exits: queue.SimpleQueue[int]) -> None:
+  """Waits for one process and puts its index on ``exits``."""
+  process.wait()
+  exits.put(index)
 
 
 def _stream(index: int, pipe, tail: collections.deque, out: TextIO, lock: threading.Lock):
@@ -398,12 +413,12 @@ def launch(
       )
       processes.append(process)
     for i, process in enumerate(processes):
-      tail = collections.deque(maxlen=_TAIL_LINES)
+      tail: collections.deque[str] = collections.deque(maxlen=_TAIL_LINES)
       reader = threading.Thread(
         target=_stream, args=(i, process.stdout, tail, out, lock), daemon=True
       )
       reader.start()
-      waiter = threading.Thread(target=lambda i=i, p=process: (p.wait(), exits.put(i)), daemon=True)
+      waiter = threading.Thread(target=_report_exit, args=(i, process, exits), daemon=True)
       waiter.start()
       tails.append(tail)
       readers.append(reader)

@@ -35,6 +35,12 @@ def make_problem(seed: int = 0, n: int = 16, d: int = 5, k: int = 3):
   return params, loss_jax, loss_np, grad_np
 
 
+def float32_problem(seed: int = 0, **kwargs):
+  """:func:`make_problem`'s params in float32, with its JAX loss: ``(params, loss_jax)``."""
+  params, loss_jax, _, _ = make_problem(seed=seed, **kwargs)
+  return {name: jnp.asarray(value, jnp.float32) for name, value in params.items()}, loss_jax
+
+
 def flatten(tree) -> np.ndarray:
   return np.concatenate([np.ravel(tree["b"]), np.ravel(tree["w"])])
 

@@ -1,7 +1,9 @@
 """The documentation site builds without a warning and documents every public name."""
 
+import html
 import pathlib
 import re
+import shutil
 import subprocess
 import sys
 
@@ -11,6 +13,7 @@ import optax_gsam
 import optax_gsam.big_vision
 import optax_gsam.flax
 import optax_gsam.launch
+import optax_gsam.typing
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -19,6 +22,7 @@ PUBLIC_MODULES = {
   "optax_gsam.flax": optax_gsam.flax,
   "optax_gsam.big_vision": optax_gsam.big_vision,
   "optax_gsam.launch": optax_gsam.launch,
+  "optax_gsam.typing": optax_gsam.typing,
 }
 
 
@@ -69,3 +73,41 @@ def test_site_builds_without_warnings(built_site):
 @pytest.mark.parametrize("name", public_names())
 def test_api_reference_renders(built_site, name):
   assert f'id="{name}"' in (built_site / "api.html").read_text(), f"{name} is not on api.html"
+
+
+def test_pages_load_nothing_from_the_network(built_site):
+  """Scripts, styles and images come from the site itself (MathJax included): it works offline."""
+  remote = re.compile(r"<(?:script|link|img)\b[^>]*\b(?:src|href)=\"(?:https?:)?//[^\"]*\"[^>]*>")
+  for page in built_site.rglob("*.html"):
+    assert not remote.findall(page.read_text()), f"{page.name} loads a remote resource"
+  assert (built_site / "_static" / "mathjax" / "tex-chtml.js").exists()
+  assert 'src="_static/mathjax/tex-chtml.js"' in (built_site / "concepts.html").read_text()
+
+
+def test_signatures_show_only_public_names(built_site):
+  text = (built_site / "api.html").read_text()
+  signatures = [
+    html.unescape(re.sub(r"<[^>]+>", "", dt))
+    for dt in re.findall(r'<dt class="sig sig-object py".*?</dt>', text, re.S)
+  ]
+  assert len(signatures) > 40
+  private = re.compile(r"_src|\bpert\.|jaxlib|TypeAliasForwardRef|ArrayTree")
+  leaks = [s.strip() for s in signatures if private.search(s)]
+  assert not leaks, f"private names in signatures: {leaks}"
+  gsam = next(s for s in signatures if s.strip().startswith("optax_gsam.gsam("))
+  assert "adaptive: optax_gsam.typing.Adaptive = None" in gsam
+
+
+def test_nitpick_fails_on_a_broken_optax_or_jax_reference(tmp_path):
+  """The docs' own configuration, on a page with one good and two misspelt external names."""
+  source = tmp_path / "docs"
+  shutil.copytree(DOCS / "_inventories", source / "_inventories")
+  shutil.copy(DOCS / "conf.py", source / "conf.py")
+  (source / "index.md").write_text(
+    "# Page\n\n{class}`optax.Schedule`, {class}`optax.Shedule` and {class}`jax.Aray`.\n"
+  )
+  command = [sys.executable, "-m", "sphinx", "-q", "-b", "html", str(source), str(tmp_path / "out")]
+  result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+  warnings = [line for line in result.stderr.splitlines() if "WARNING" in line]
+  assert len(warnings) == 2, result.stderr
+  assert "optax.Shedule" in warnings[0] and "jax.Aray" in warnings[1]

@@ -8,16 +8,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _problems import make_problem
+from _problems import float32_problem
 from jax.sharding import PartitionSpec as P
 
 import optax_gsam
-
-
-def float32_problem(seed):
-  params, loss_jax, _, _ = make_problem(seed=seed)
-  return jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), params), loss_jax
-
 
 # --- (loss, aux) loss functions ---------------------------------------------------------------
 
@@ -275,10 +269,10 @@ NONFINITE_ON_ONE_DEVICE = {
 
 
 @pytest.mark.parametrize("kind", list(NONFINITE_ON_ONE_DEVICE))
-def test_on_nonfinite_clean_under_per_device_perturbation(kind):
+def test_on_nonfinite_clean_under_per_device_perturbation(kind, data_mesh):
   """One device's non-finite perturbed pass makes every device output the averaged clean gradient."""
   p, loss_jax = float32_problem(seed=35)
-  mesh = jax.make_mesh((8,), ("data",))
+  mesh = data_mesh
   tx = optax_gsam.gsam(0.1, 0.3, axis_name="data", on_nonfinite="clean")
   x = jnp.arange(8.0)
 
@@ -294,13 +288,6 @@ def test_on_nonfinite_clean_under_per_device_perturbation(kind):
   expected = jax.tree.map(lambda g: g * jnp.mean(1.0 + x), jax.grad(loss_jax)(p))
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), updates, expected)
   assert int(state.fallback_count) == 1 and int(state.full_steps) == 0
-
-
-def test_on_nonfinite_is_validated():
-  with pytest.raises(ValueError, match="on_nonfinite must be one of"):
-    optax_gsam.gsam(0.1, on_nonfinite="skip")
-  with pytest.raises(ValueError, match="on_nonfinite must be one of"):
-    optax_gsam.sam(0.1, on_nonfinite=None)
 
 
 # --- A readable core --------------------------------------------------------------------------
@@ -323,7 +310,7 @@ def code_lines(function: ast.AST, source_lines: list[str]) -> int:
   )
 
 
-def test_no_function_in_the_package_exceeds_100_lines_of_code():
+def test_no_function_in_the_package_exceeds_60_lines_of_code():
   package = pathlib.Path(optax_gsam.__file__).parent
   too_long = []
   for path in sorted(package.rglob("*.py")):
@@ -332,6 +319,6 @@ def test_no_function_in_the_package_exceeds_100_lines_of_code():
     for node in ast.walk(tree):
       if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
         n = code_lines(node, lines)
-        if n > 100:
+        if n > 60:
           too_long.append(f"{path.relative_to(package)}:{node.name} ({n})")
   assert not too_long, too_long

@@ -10,6 +10,7 @@ test can fail.
 import functools
 from typing import Any
 
+import chex
 import flax
 import flax.linen as nn
 import jax
@@ -122,10 +123,6 @@ def plain_step(state, x, y, key):
   return state.apply_gradients(grads=grads, batch_stats=batch_stats)
 
 
-def assert_trees_close(a, b, **kw):
-  jax.tree.map(lambda u, v: np.testing.assert_allclose(u, v, **kw), a, b)
-
-
 def max_tree_diff(a, b):
   return max(jax.tree.leaves(jax.tree.map(lambda u, v: float(jnp.max(jnp.abs(u - v))), a, b)))
 
@@ -137,8 +134,8 @@ def test_linen_perturbed_pass_sees_clean_rng_and_inputs():
   for step in range(2):
     k = jax.random.fold_in(key, step)
     gsam, plain = gsam_step(gsam, x, y, k), plain_step(plain, x, y, k)
-    assert_trees_close(gsam.params, plain.params, rtol=1e-5, atol=1e-7)
-    assert_trees_close(gsam.batch_stats, plain.batch_stats, rtol=1e-6, atol=1e-7)
+    chex.assert_trees_all_close(gsam.params, plain.params, rtol=1e-5, atol=1e-7)
+    chex.assert_trees_all_close(gsam.batch_stats, plain.batch_stats, rtol=1e-6, atol=1e-7)
   # Negative control: fresh randomness in the perturbed pass changes the update.
   wrong = gsam_step_fresh_randomness(make_state(TX_RHO0), x, y, key)
   right = gsam_step(make_state(TX_RHO0), x, y, key)
@@ -164,7 +161,7 @@ def test_linen_batch_stats_come_from_the_clean_pass():
 
   clean_stats, perturbed_stats = clean_and_perturbed_stats(state)
 
-  assert_trees_close(new_state.batch_stats, clean_stats, rtol=1e-6, atol=1e-7)
+  chex.assert_trees_all_close(new_state.batch_stats, clean_stats, rtol=1e-6, atol=1e-7)
   assert max_tree_diff(clean_stats, perturbed_stats) > 1e-3  # the test can tell them apart
   assert int(new_state.step) == 1
   assert float(optax.tree.get(new_state.opt_state, "rho")) == pytest.approx(rho)
@@ -200,9 +197,11 @@ def test_train_state_forwards_non_field_kwargs_only():
     grads=grads, batch_stats=new_stats, loss_fn=loss_fn, value=2.0, custom=3
   )
   assert seen == {"loss_fn": loss_fn, "value": 2.0, "custom": 3}
-  assert_trees_close(new_state.batch_stats, new_stats)
+  chex.assert_trees_all_close(new_state.batch_stats, new_stats)
   assert new_state.tx is state.tx and int(new_state.step) == 1
-  assert_trees_close(new_state.params, jax.tree.map(lambda w: w - LR, state.params), rtol=1e-6)
+  chex.assert_trees_all_close(
+    new_state.params, jax.tree.map(lambda w: w - LR, state.params), rtol=1e-6
+  )
 
 
 def test_train_state_without_extra_args_is_flax():
@@ -285,7 +284,7 @@ def test_nnx_perturbed_pass_sees_clean_rng_and_stats_are_clean():
     nnx_gsam_step(gsam_model, gsam_opt, x, y)
     nnx_plain_step(plain_model, plain_opt, x, y)
     for kind in (nnx.Param, nnx.BatchStat, nnx.RngCount):
-      assert_trees_close(
+      chex.assert_trees_all_close(
         nnx.state(gsam_model, kind), nnx.state(plain_model, kind), rtol=1e-5, atol=1e-7
       )
   # Negative control: a perturbed pass with another dropout mask changes the rho = 0 step.
@@ -307,7 +306,7 @@ def test_nnx_batch_stats_and_rng_advance_once_with_perturbation():
   # The clean pass alone, on a copy of the initial model.
   expected_loss = cross_entropy(reference, x, y)
   assert float(loss) == pytest.approx(float(expected_loss), rel=1e-6)
-  assert_trees_close(
+  chex.assert_trees_all_close(
     nnx.state(model, nnx.BatchStat), nnx.state(reference, nnx.BatchStat), rtol=1e-6, atol=1e-7
   )
   assert int(model.dropout.rngs.count[...]) == int(reference.dropout.rngs.count[...]) == 1
@@ -417,7 +416,9 @@ def test_nnx_rngs_argument_step_equals_plain_step_at_rho_zero():
     mnist_plain_step(*plain, batch)
     (g_model, _, g_metrics, g_rngs), (p_model, _, p_metrics, p_rngs) = gsam, plain
     for kind in (nnx.Param, nnx.BatchStat):
-      assert_trees_close(nnx.state(g_model, kind), nnx.state(p_model, kind), rtol=1e-5, atol=1e-6)
+      chex.assert_trees_all_close(
+        nnx.state(g_model, kind), nnx.state(p_model, kind), rtol=1e-5, atol=1e-6
+      )
     # The RNG advanced exactly as in the plain step: once per draw of the clean pass.
     assert int(g_rngs.default.count[...]) == int(p_rngs.default.count[...])
     assert float(g_metrics.compute()["loss"]) == pytest.approx(
@@ -454,7 +455,7 @@ def test_nnx_loss_fn_redraws_the_clean_masks_and_leaves_state_alone():
   # One clean pass on a copy of the initial model: the same statistics and RNG counter.
   mnist_loss_fn(reference, reference_rngs, batch)
   assert int(rngs.default.count[...]) == int(reference_rngs.default.count[...]) == 2
-  assert_trees_close(
+  chex.assert_trees_all_close(
     nnx.state(model, nnx.BatchStat), nnx.state(reference, nnx.BatchStat), rtol=1e-6, atol=1e-7
   )
 
@@ -618,9 +619,9 @@ def test_dynamic_scale_recipe_scales_the_perturbed_pass():
   right = dynamic_scale_step(loss_of)(scaled_state(params, tx, 2.0**16))
   wrong = dynamic_scale_step(loss_of, scale_perturbed_pass=False)(scaled_state(params, tx, 2.0**16))
   moved = jax.tree.map(lambda a, b: a - b, right.params, params)
-  assert_trees_close(moved, expected, rtol=5e-3)
+  chex.assert_trees_all_close(moved, expected, rtol=5e-3)
   # The unscaled perturbed gradient underflowed to zero: SAM made no step at all.
-  assert_trees_close(wrong.params, params)
+  chex.assert_trees_all_close(wrong.params, params)
 
 
 def test_dynamic_scale_recipe_with_on_nonfinite_clean_and_apply_if_finite():
@@ -637,7 +638,7 @@ def test_dynamic_scale_recipe_with_on_nonfinite_clean_and_apply_if_finite():
   params = {"w": jnp.array([1.0, 2.0])}
   state = step(scaled_state(params, tx, 1.0))
   clean_grads = jax.grad(lambda p: jnp.sum(p["w"] ** 2 * 1000.0))(params)
-  assert_trees_close(state.params, {"w": params["w"] - 0.01 * clean_grads["w"]}, rtol=1e-3)
+  chex.assert_trees_all_close(state.params, {"w": params["w"] - 0.01 * clean_grads["w"]}, rtol=1e-3)
   assert int(optax.tree.get(state.opt_state, "fallback_count")) == 1
   assert float(state.dynamic_scale.scale) == 1.0
   # With "propagate", apply_if_finite drops that step, and the scale does not move either.
@@ -646,13 +647,13 @@ def test_dynamic_scale_recipe_with_on_nonfinite_clean_and_apply_if_finite():
     optax.apply_if_finite(optax.sgd(0.01), max_consecutive_errors=10),
   )
   dropped = step(scaled_state(params, propagate_tx, 1.0))
-  assert_trees_close(dropped.params, params)
+  chex.assert_trees_all_close(dropped.params, params)
   assert float(dropped.dynamic_scale.scale) == 1.0
   # The clean gradient overflows (2000 w > 65504): apply_if_finite skips the step, DynamicScale
   # backs off, and the transform does not count it.
   big = {"w": jnp.array([40.0, 5.0])}
   state = step(scaled_state(big, tx, 1.0))
-  assert_trees_close(state.params, big)
+  chex.assert_trees_all_close(state.params, big)
   assert float(state.dynamic_scale.scale) == 0.5
   assert int(optax.tree.get(state.opt_state, "count")) == 0
 
@@ -687,7 +688,7 @@ def test_fp8_loss_fn_receives_params_only_and_clean_fp8_statistics_are_stored():
   new_state = jax.jit(lambda s, g: s.apply_gradients(grads=g, loss_fn=loss_fn))(state, grads)
   assert received == [jax.tree.structure(state.params["params"])]
   # The clean pass's fp8 statistics are stored, and they differ from the initial ones.
-  assert_trees_close(new_state.params[owg], grads[owg])
+  chex.assert_trees_all_close(new_state.params[owg], grads[owg])
   assert max_tree_diff(new_state.params[owg], state.params[owg]) > 0
   # The clean pass's function itself, given params["params"], finds no "params" collection.
   with pytest.raises(flax.errors.ScopeCollectionNotFound):

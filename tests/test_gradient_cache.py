@@ -1,5 +1,6 @@
 """cached_value_and_grad against full-batch autodiff of losses written here with plain jnp."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -64,9 +65,7 @@ def full_batch(params, batch, loss=clip_reference, embed=embed_two_towers, has_a
 
 
 def assert_trees_close(actual, expected, rtol=1e-10, atol=1e-14):
-  jax.tree.map(
-    lambda a, e: np.testing.assert_allclose(a, e, rtol=rtol, atol=atol), actual, expected
-  )
+  chex.assert_trees_all_close(actual, expected, rtol=rtol, atol=atol)
 
 
 def packaged_clip(tile_size):

@@ -379,3 +379,22 @@ def test_initialize_names_a_variable_that_is_not_an_integer(monkeypatch):
   monkeypatch.setenv("JAX_NUM_PROCESSES", "two")
   with pytest.raises(ValueError, match="JAX_NUM_PROCESSES must be an integer, got 'two'"):
     launch.initialize()
+
+
+def test_initialize_patches_nothing_unless_asked(monkeypatch):
+  """Outside the launcher, initialize() leaves sys.exit and sys.excepthook alone."""
+  import jax
+
+  monkeypatch.delenv("OPTAX_GSAM_FAIL_FAST", raising=False)
+  monkeypatch.setattr(jax.distributed, "initialize", lambda **kwargs: None)
+  before = (sys.exit, sys.excepthook)
+  launch.initialize(coordinator_address="127.0.0.1:1", num_processes=2, process_id=0)
+  launch.initialize(
+    coordinator_address="127.0.0.1:1",
+    num_processes=2,
+    process_id=0,
+    exit_on_uncaught_exception=False,
+  )
+  assert (sys.exit, sys.excepthook) == before
+  env = launch.process_env(0, 2, "127.0.0.1:1", 4, base={})
+  assert env["OPTAX_GSAM_FAIL_FAST"] == "1"  # the launcher's processes opt in

@@ -8,6 +8,7 @@ import numpy as np
 import optax
 import pytest
 from _problems import flatten
+from _problems import float32_problem
 from _problems import make_problem
 from _problems import unflatten
 
@@ -86,8 +87,7 @@ def test_reuse_matches_float64_reference(case):
 
 
 def test_perturbed_gradient_runs_only_on_every_kth_step():
-  params, loss_jax, _, _ = make_problem(seed=12)
-  p = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), params)
+  p, loss_jax = float32_problem(seed=12)
   calls = []
 
   def counted_loss(q):
@@ -127,8 +127,8 @@ def test_perturb_every_one_is_bitwise_the_plain_transform():
   jax.tree.map(np.testing.assert_array_equal, results[0], results[1])
 
 
-def test_sync_mode_on_a_mesh_equals_single_device_cheap_gsam():
-  mesh = jax.make_mesh((8,), ("data",))
+def test_sync_mode_on_a_mesh_equals_single_device_cheap_gsam(data_mesh):
+  mesh = data_mesh
   params, _, _, _ = make_problem(seed=14)
   rng = np.random.default_rng(0)
   x = jnp.asarray(rng.normal(size=(32, 5)), jnp.float32)
@@ -157,28 +157,20 @@ def test_sync_mode_on_a_mesh_equals_single_device_cheap_gsam():
 
 
 def test_non_finite_step_keeps_the_stored_direction():
-  params, loss_jax, _, _ = make_problem(seed=15)
-  p = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), params)
+  p, loss_jax = float32_problem(seed=15)
   tx = optax_gsam.gsam(0.1, 0.3, perturb_every=2)
   state = tx.init(p)
   _, state = tx.update(jax.grad(loss_jax)(p), state, p, loss_fn=loss_jax)
   _, state = tx.update(jax.grad(loss_jax)(p), state, p, loss_fn=loss_jax)
-  stored = state.correction
-  assert optax_gsam.global_norm(stored) > 0
+  stored = state.stored_direction
+  assert optax_gsam.stable_global_norm(stored) > 0
   nan_loss = lambda q: loss_jax(q) * jnp.nan
   _, state = tx.update(jax.grad(loss_jax)(p), state, p, loss_fn=nan_loss)  # full step, NaN
-  jax.tree.map(np.testing.assert_array_equal, state.correction, stored)
+  jax.tree.map(np.testing.assert_array_equal, state.stored_direction, stored)
   assert int(state.count) == 2  # a non-finite output does not count
 
 
-def test_perturb_every_validation_and_inject_hyperparams():
-  for bad in (0, -2, 1.5, True):
-    with pytest.raises(ValueError, match="perturb_every"):
-      optax_gsam.gsam(0.1, perturb_every=bad)
-  with pytest.raises(ValueError, match="reuse_weight"):
-    optax_gsam.gsam(0.1, perturb_every=2, reuse_weight=-1.0)
-  with pytest.raises(ValueError, match="static_args"):
-    optax.inject_hyperparams(optax_gsam.gsam)(rho=0.1, perturb_every=2).init(jnp.ones(2))
+def test_perturb_every_under_inject_hyperparams_as_a_static_arg():
   tx = optax.inject_hyperparams(optax_gsam.gsam, static_args=("perturb_every",))(
     rho=0.1, alpha=0.2, perturb_every=2
   )
@@ -191,8 +183,7 @@ def test_perturb_every_validation_and_inject_hyperparams():
 
 
 def test_static_perturb_override_equals_the_cond_schedule():
-  params, loss_jax, _, _ = make_problem(seed=16)
-  p0 = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), params)
+  p0, loss_jax = float32_problem(seed=16)
   tx = optax.chain(optax_gsam.gsam(0.1, 0.3, perturb_every=3), optax.sgd(0.1))
 
   def step(p, state, perturb=None):
@@ -205,7 +196,7 @@ def test_static_perturb_override_equals_the_cond_schedule():
     jax.jit(functools.partial(step, perturb=False)),
   )
   conds = lambda f: str(jax.make_jaxpr(f)(p0, tx.init(p0))).count("cond[")
-  assert conds(full) < conds(scheduled)  # only the norms' overflow guards remain
+  assert conds(full) == 0 < conds(scheduled)  # the static branch traces no conditional
   a, sa = p0, tx.init(p0)
   b, sb = p0, tx.init(p0)
   for t in range(7):
@@ -222,8 +213,7 @@ def test_static_perturb_override_equals_the_cond_schedule():
 
 
 def test_sam_takes_the_cheap_step_options_too():
-  params, loss_jax, _, _ = make_problem(seed=17)
-  p = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), params)
+  p, loss_jax = float32_problem(seed=17)
   looksam = optax_gsam.sam(0.1, perturb_every=2, reuse_weight=0.5)
   same = optax_gsam.gsam(0.1, 0.0, perturb_every=2, reuse_weight=0.5)
   sa, sb = looksam.init(p), same.init(p)
@@ -231,4 +221,4 @@ def test_sam_takes_the_cheap_step_options_too():
     ua, sa = looksam.update(jax.grad(loss_jax)(p), sa, p, loss_fn=loss_jax)
     ub, sb = same.update(jax.grad(loss_jax)(p), sb, p, loss_fn=loss_jax)
     jax.tree.map(np.testing.assert_array_equal, ua, ub)
-  assert sa.correction is not None
+  assert sa.stored_direction is not None

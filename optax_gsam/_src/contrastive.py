@@ -27,20 +27,17 @@ embeddings computed at differently perturbed weights; prefer
 from __future__ import annotations
 
 import functools
-import numbers
-from collections.abc import Hashable
 
 import jax
 import jax.numpy as jnp
 
-AxisName = Hashable | tuple[Hashable, ...] | None
-
-
-def _check_tile_size(tile_size) -> None:
-  if tile_size is None:
-    return
-  if isinstance(tile_size, bool) or not isinstance(tile_size, numbers.Integral) or tile_size < 1:
-    raise ValueError(f"tile_size must be None or a positive int, got {tile_size!r}.")
+from optax_gsam._src.arrays import join_rows
+from optax_gsam._src.arrays import mark_varying
+from optax_gsam._src.arrays import split_rows
+from optax_gsam._src.arrays import upcast
+from optax_gsam._src.arrays import varying_axes
+from optax_gsam._src.validation import check_positive_int
+from optax_gsam.typing import AxisName
 
 
 def _check_pair(image_embeddings, text_embeddings) -> None:
@@ -59,43 +56,9 @@ def _check_scalar(name: str, x) -> None:
     raise ValueError(f"{name} must be a scalar, got shape {jnp.shape(x)}.")
 
 
-def _upcast(x):
-  x = jnp.asarray(x)
-  return x.astype(jnp.promote_types(x.dtype, jnp.float32))
-
-
-def _row_blocks(x, tile: int):
-  """x split into ([n, tile, ...] or None, the remaining rows or None)."""
-  n = x.shape[0] // tile
-  main = n * tile
-  head = (x if main == x.shape[0] else x[:main]).reshape((n, tile, *x.shape[1:])) if n else None
-  tail = x[main:] if main < x.shape[0] else None
-  return head, tail
-
-
-def _join_rows(head, tail):
-  parts = []
-  if head is not None:
-    parts.append(head.reshape((-1, *head.shape[2:])))
-  if tail is not None:
-    parts.append(tail)
-  return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
-
-
 def _varying_like(x, *refs):
-  """``x`` marked device-varying over every axis any of ``refs`` varies over.
-
-  Scan carries must keep their type under ``jax.shard_map``; an accumulator
-  that starts as a constant is otherwise invarying while its updates vary.
-  Outside ``shard_map`` this returns ``x`` unchanged.
-  """
-
-  def varying(a):
-    return getattr(getattr(jax.typeof(a), "mat", None), "varying", frozenset())
-
-  wanted = frozenset().union(*(varying(r) for r in refs))
-  missing = tuple(sorted(wanted - varying(x), key=str))
-  return jax.lax.pcast(x, missing, to="varying") if missing else x
+  """``x`` marked device-varying over every axis any of ``refs`` varies over (scan carries)."""
+  return mark_varying(x, frozenset().union(*(varying_axes(r) for r in refs)))
 
 
 # Streaming log-sum-exp of L = exp(t) q k^T over rows and over columns.
@@ -118,14 +81,14 @@ def _lse_forward_pass(q, k, t, tile):
     _varying_like(c, q, k, t)
     for c in (jnp.full((num_cols,), -jnp.inf, q.dtype), jnp.zeros((num_cols,), q.dtype))
   )
-  head, tail = _row_blocks(q, tile)
+  head, tail = split_rows(q, tile)
   head_rows = tail_rows = None
   if head is not None:
     carry, head_rows = jax.lax.scan(step, carry, head)
   if tail is not None:
     carry, tail_rows = step(carry, tail)
   col_max, col_sum = carry
-  return _join_rows(head_rows, tail_rows), col_max + jnp.log(col_sum)
+  return join_rows(head_rows, tail_rows), col_max + jnp.log(col_sum)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -156,14 +119,14 @@ def _streaming_lse_bwd(tile, residuals, cotangents):
 
   refs = (q, k, t, row_ct, col_ct)
   carry = (_varying_like(jnp.zeros_like(k), *refs), _varying_like(jnp.zeros_like(t), *refs))
-  blocks = [_row_blocks(x, tile) for x in (q, row_lse, row_ct)]
+  blocks = [split_rows(x, tile) for x in (q, row_lse, row_ct)]
   head_dq = tail_dq = None
   if blocks[0][0] is not None:
     carry, head_dq = jax.lax.scan(step, carry, tuple(b[0] for b in blocks))
   if blocks[0][1] is not None:
     carry, tail_dq = step(carry, tuple(b[1] for b in blocks))
   dk, dt = carry
-  return _join_rows(head_dq, tail_dq), dk, dt
+  return join_rows(head_dq, tail_dq), dk, dt
 
 
 _streaming_lse.defvjp(_streaming_lse_fwd, _streaming_lse_bwd)
@@ -188,7 +151,7 @@ def _softplus_sum(q, k, t, b, tile_size):
 
   if tile_size is None:
     return block(q)
-  head, tail = _row_blocks(q, tile_size)
+  head, tail = split_rows(q, tile_size)
   total = _varying_like(jnp.zeros((), q.dtype), q, k, t, b)
   if head is not None:
     checkpointed = jax.checkpoint(block)
@@ -256,11 +219,11 @@ def clip_loss(
     Radford et al., `Learning Transferable Visual Models From Natural Language
     Supervision <https://arxiv.org/abs/2103.00020>`_, ICML 2021.
   """
-  _check_tile_size(tile_size)
+  check_positive_int("tile_size", tile_size, allow_none=True)
   _check_pair(image_embeddings, text_embeddings)
   _check_scalar("logit_scale", logit_scale)
-  x, y = _upcast(image_embeddings), _upcast(text_embeddings)
-  t = _upcast(logit_scale).astype(x.dtype)
+  x, y = upcast(image_embeddings), upcast(text_embeddings)
+  t = upcast(logit_scale).astype(x.dtype)
   local_size = x.shape[0]
   diagonal = jnp.exp(t) * jnp.sum(x * y, axis=1)
   if axis_name is None:
@@ -321,13 +284,13 @@ def siglip_loss(
     Zhai et al., `Sigmoid Loss for Language Image Pre-Training
     <https://arxiv.org/abs/2303.15343>`_, ICCV 2023.
   """
-  _check_tile_size(tile_size)
+  check_positive_int("tile_size", tile_size, allow_none=True)
   _check_pair(image_embeddings, text_embeddings)
   _check_scalar("logit_scale", logit_scale)
   _check_scalar("logit_bias", logit_bias)
-  x, y = _upcast(image_embeddings), _upcast(text_embeddings)
-  t = _upcast(logit_scale).astype(x.dtype)
-  b = _upcast(logit_bias).astype(x.dtype)
+  x, y = upcast(image_embeddings), upcast(text_embeddings)
+  t = upcast(logit_scale).astype(x.dtype)
+  b = upcast(logit_bias).astype(x.dtype)
   positives = jnp.sum(jnp.exp(t) * jnp.sum(x * y, axis=1) + b)
   if axis_name is None:
     return (_softplus_sum(x, y, t, b, tile_size) - positives) / x.shape[0]

@@ -22,47 +22,26 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Callable
-from collections.abc import Hashable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
 
+from optax_gsam._src.arrays import compute_dtype
+from optax_gsam._src.arrays import join_rows
+from optax_gsam._src.arrays import mark_varying
+from optax_gsam._src.arrays import split_rows
 from optax_gsam._src.validation import check_axis_name
-
-EmbedFn = Callable[..., Any]
-LossFn = Callable[[optax.Params, Any], Any]
-
-
-def _check_chunk_size(value, where: str = "chunk_size") -> None:
-  if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-    raise ValueError(f"{where} must be a positive int, got {value!r}.")
+from optax_gsam._src.validation import check_positive_int
+from optax_gsam.typing import AxisName
+from optax_gsam.typing import EmbeddingLossFn
+from optax_gsam.typing import EmbedFn
 
 
 def _as_varying(tree, axis_name):
-  """Marks every leaf as device-varying over ``axis_name`` (a no-op outside shard_map).
-
-  Differentiating with respect to replicated (invarying) params inside
-  ``jax.shard_map`` inserts an implicit sum over devices; varying params keep
-  the per-device gradient, which is then reduced explicitly, once.
-  """
-  axes = axis_name if isinstance(axis_name, tuple) else (axis_name,)
-
-  def cast(x):
-    x = jnp.asarray(x)
-    varying = getattr(getattr(jax.typeof(x), "mat", None), "varying", frozenset())
-    missing = tuple(a for a in axes if a not in varying)
-    return jax.lax.pcast(x, missing, to="varying") if missing else x
-
-  return jax.tree.map(cast, tree)
-
-
-def _accumulation_dtype(dtype) -> jnp.dtype:
-  dtype = jnp.dtype(dtype)
-  if jnp.issubdtype(dtype, jnp.inexact):
-    return jnp.promote_types(dtype, jnp.float32)
-  return dtype
+  """Every leaf marked device-varying over ``axis_name``, so gradients are reduced explicitly, once."""
+  return jax.tree.map(lambda x: mark_varying(x, axis_name), tree)
 
 
 def _leading_size(tree, what: str) -> int:
@@ -70,38 +49,13 @@ def _leading_size(tree, what: str) -> int:
   if not leaves:
     raise ValueError(f"{what} has no array leaves.")
   sizes = {jnp.shape(x)[0] if jnp.ndim(x) else None for x in leaves}
-  if None in sizes or len(sizes) != 1:
+  size = next(iter(sizes)) if len(sizes) == 1 else None
+  if size is None:
     raise ValueError(
       f"Every leaf of {what} must have the examples on axis 0 with one common size; "
       f"got leading sizes {sorted(str(s) for s in sizes)}."
     )
-  return sizes.pop()
-
-
-def _split(tree, num_full: int, size: int):
-  """(leaves reshaped to [num_full, size, ...], the remaining examples or None)."""
-  main_len = num_full * size
-
-  def main(x):
-    x = x if x.shape[0] == main_len else x[:main_len]
-    return x.reshape((num_full, size, *x.shape[1:]))
-
-  head = jax.tree.map(main, tree) if num_full else None
-  total = jax.tree.leaves(tree)[0].shape[0]
-  tail = jax.tree.map(lambda x: x[main_len:], tree) if total > main_len else None
-  return head, tail
-
-
-def _merge(head, tail):
-  def flat(x):
-    return x.reshape((-1, *x.shape[2:]))
-
-  if head is None:
-    return tail
-  head = jax.tree.map(flat, head)
-  if tail is None:
-    return head
-  return jax.tree.map(lambda a, b: jnp.concatenate([a, b]), head, tail)
+  return size
 
 
 class _Tower:
@@ -136,7 +90,7 @@ class _Tower:
     n, num_full, rest = self.layout(batch)
     c = self.chunk_size
     chunk_base, example_base = offsets
-    head, tail = _split(batch, num_full, c)
+    head, tail = split_rows(batch, c)
     head_reps = tail_reps = None
     if head is not None:
 
@@ -149,7 +103,7 @@ class _Tower:
       tail_reps = self.call(
         params, tail, key, chunk_base + num_full, example_base + num_full * c, rest
       )
-    reps = _merge(head_reps, tail_reps)
+    reps = join_rows(head_reps, tail_reps)
     reps_size = _leading_size(reps, "the representations returned by embed_fn")
     if reps_size != n:
       raise ValueError(
@@ -163,8 +117,8 @@ class _Tower:
     _, num_full, rest = self.layout(batch)
     c = self.chunk_size
     chunk_base, example_base = offsets
-    head, tail = _split(batch, num_full, c)
-    grad_head, grad_tail = _split(reps_grads, num_full, c)
+    head, tail = split_rows(batch, c)
+    grad_head, grad_tail = split_rows(reps_grads, c)
 
     def pull_back(acc, chunk, cotangent, chunk_index, start, size):
       _, vjp = jax.vjp(lambda p: self.call(p, chunk, key, chunk_index, start, size), params)
@@ -195,7 +149,7 @@ def _towers_from(embed_fn, chunk_size, per_example_keys: bool):
         f"got {type(embed_fn).__name__}."
       )
     if isinstance(chunk_size, numbers.Integral) and not isinstance(chunk_size, bool):
-      sizes = [chunk_size] * len(leaves)
+      sizes = [int(chunk_size)] * len(leaves)
     else:
       try:
         sizes = towers_def.flatten_up_to(chunk_size)
@@ -205,7 +159,7 @@ def _towers_from(embed_fn, chunk_size, per_example_keys: bool):
           f"({towers_def}); got {chunk_size!r}."
         ) from error
     for size in sizes:
-      _check_chunk_size(size)
+      check_positive_int("chunk_size", size)
     names = [
       f"batch of tower {jax.tree_util.keystr(path)}"
       for path, _ in jax.tree_util.tree_flatten_with_path(embed_fn)[0]
@@ -214,17 +168,46 @@ def _towers_from(embed_fn, chunk_size, per_example_keys: bool):
       _Tower(f, s, per_example_keys, name) for f, s, name in zip(leaves, sizes, names, strict=True)
     ]
     return towers, towers_def
-  _check_chunk_size(chunk_size)
+  check_positive_int("chunk_size", chunk_size)
   return [_Tower(embed_fn, chunk_size, per_example_keys)], None
+
+
+def _tower_batches(towers_def, batch) -> list:
+  if towers_def is None:
+    return [batch]
+  try:
+    return towers_def.flatten_up_to(batch)
+  except (ValueError, TypeError) as error:
+    raise ValueError(
+      f"batch must have the top-level container of embed_fn ({towers_def}), one "
+      "sub-batch per tower."
+    ) from error
+
+
+def _combine(value, accumulator, loss_grads, axis_name, has_aux):
+  """The encoders' accumulated gradient plus the loss's own, reduced over devices once."""
+  if axis_name is None:
+    return value, jax.tree.map(lambda a, lg: a + lg.astype(a.dtype), accumulator, loss_grads)
+  # The encoder parts are partial sums over the local examples; the loss part is
+  # the same on every device (every device evaluates the global loss), so it
+  # enters the one all-reduce divided by the device count.
+  num_devices = jax.lax.psum(1, axis_name)
+  total = jax.lax.psum(
+    jax.tree.map(lambda a, lg: a + lg.astype(a.dtype) / num_devices, accumulator, loss_grads),
+    axis_name,
+  )
+  if has_aux:
+    return (jax.lax.pmean(value[0], axis_name), value[1]), total
+  return jax.lax.pmean(value, axis_name), total
 
 
 def cached_value_and_grad(
   embed_fn: EmbedFn | Any,
-  loss_fn: LossFn,
+  loss_fn: EmbeddingLossFn,
   *,
   chunk_size: int | Any,
   has_aux: bool = False,
-  axis_name: Hashable | tuple[Hashable, ...] | None = None,
+  axis_name: AxisName = None,
   per_example_keys: bool = False,
 ) -> Callable[..., tuple[Any, optax.Updates]]:
   r"""Exact ``value_and_grad`` of ``loss_fn(params, embed_fn(params, batch))``, chunk by chunk.
@@ -318,20 +301,10 @@ def cached_value_and_grad(
   check_axis_name(axis_name)
 
   def value_and_grad_fn(params: optax.Params, batch: Any, key: jax.Array | None = None):
-    if towers_def is None:
-      batches = [batch]
-    else:
-      try:
-        batches = towers_def.flatten_up_to(batch)
-      except (ValueError, TypeError) as error:
-        raise ValueError(
-          f"batch must have the top-level container of embed_fn ({towers_def}), one "
-          "sub-batch per tower."
-        ) from error
+    batches = _tower_batches(towers_def, batch)
     keys = [key] * len(towers)
     if key is not None and towers_def is not None:
       keys = [jax.random.fold_in(key, t) for t in range(len(towers))]
-
     device = jax.lax.axis_index(axis_name) if axis_name is not None else 0
     if axis_name is not None:
       params = _as_varying(params, axis_name)
@@ -339,7 +312,6 @@ def cached_value_and_grad(
     for tower, tower_batch in zip(towers, batches, strict=True):
       n, num_full, rest = tower.layout(tower_batch)
       offsets.append((device * (num_full + (rest > 0)), device * n))
-
     reps = [
       tower.embed(params, b, k, o)
       for tower, b, k, o in zip(towers, batches, keys, offsets, strict=True)
@@ -347,17 +319,12 @@ def cached_value_and_grad(
     if axis_name is not None:
       reps = jax.tree.map(lambda r: jax.lax.all_gather(r, axis_name, tiled=True), reps)
     structured = reps[0] if towers_def is None else towers_def.unflatten(reps)
-
-    def total_loss(p, r):
-      return loss_fn(p, r)
-
-    value, (loss_grads, reps_grads) = jax.value_and_grad(
-      total_loss, argnums=(0, 1), has_aux=has_aux
-    )(params, structured)
+    value, (loss_grads, reps_grads) = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=has_aux)(
+      params, structured
+    )
     reps_grads = [reps_grads] if towers_def is None else towers_def.flatten_up_to(reps_grads)
-
     accumulator = jax.tree.map(
-      lambda p: jnp.zeros(jnp.shape(p), _accumulation_dtype(jnp.result_type(p))), params
+      lambda p: jnp.zeros(jnp.shape(p), compute_dtype(jnp.result_type(p))), params
     )
     if axis_name is not None:
       accumulator = _as_varying(accumulator, axis_name)
@@ -366,22 +333,7 @@ def cached_value_and_grad(
         local = tower.layout(b)[0]
         g = jax.tree.map(lambda x, n=local: jax.lax.dynamic_slice_in_dim(x, device * n, n), g)
       accumulator = tower.backward(params, b, k, o, g, accumulator)
-    if axis_name is None:
-      total = jax.tree.map(lambda a, lg: a + lg.astype(a.dtype), accumulator, loss_grads)
-    else:
-      # The encoder parts are partial sums over the local examples; the loss
-      # part is the same on every device (every device evaluates the global
-      # loss), so it enters the one all-reduce divided by the device count.
-      num_devices = jax.lax.psum(1, axis_name)
-      total = jax.lax.psum(
-        jax.tree.map(lambda a, lg: a + lg.astype(a.dtype) / num_devices, accumulator, loss_grads),
-        axis_name,
-      )
-      if has_aux:
-        value = (jax.lax.pmean(value[0], axis_name), value[1])
-      else:
-        value = jax.lax.pmean(value, axis_name)
-    grads = jax.tree.map(lambda g, p: g.astype(jnp.result_type(p)), total, params)
-    return value, grads
+    value, total = _combine(value, accumulator, loss_grads, axis_name, has_aux)
+    return value, jax.tree.map(lambda g, p: g.astype(jnp.result_type(p)), total, params)
 
   return value_and_grad_fn

@@ -16,6 +16,8 @@ import jax.numpy as jnp
 import optax
 
 ValueAndGradFn = Callable[[optax.Params], tuple[Any, optax.Updates]]
+# The same with the extra arguments (the group under ``num_groups``) passed on to the user's fn.
+ValueAndGradWithArgsFn = Callable[..., tuple[Any, optax.Updates]]
 
 MISSING_LOSS_HINT = (
   "If this update comes from flax.training.train_state.TrainState.apply_gradients, that "
@@ -51,8 +53,8 @@ class MissingLossFunctionError(ValueError):
 
 def value_and_grad_from(
   loss_fn: Callable | None, value_and_grad_fn: Callable | None
-) -> ValueAndGradFn:
-  """``params -> (value, grads)`` from exactly one of the two user functions.
+) -> ValueAndGradWithArgsFn:
+  """``(params, *args) -> (value, grads)`` from exactly one of the two user functions.
 
   ``loss_fn`` may return a scalar or ``(loss, aux)`` (a tuple or list, as Flax
   and big_vision losses do): the first element is differentiated and the whole
