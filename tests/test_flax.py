@@ -721,6 +721,12 @@ def test_update_keyword_near_misses_are_caught_for_the_core_transforms():
   with pytest.raises(TypeError, match=r"los_fn=.*did you mean loss_fn="):
     check_extra_args({"los_fn": None})
   check_extra_args(["value_fn", "grad", "batch_stats", "perturb", "value"])  # other transforms'
+  # Through the transforms' update, as a chain forwards every keyword.
+  w = jnp.ones(3)
+  loss_fn = lambda v: jnp.sum(v**2)
+  for tx in (optax.chain(optax_gsam.gsam(0.1, 0.3), optax.sgd(0.1)), optax_gsam.sam(0.1)):
+    with pytest.raises(TypeError, match=r"valu=.*did you mean value="):
+      tx.update(w, tx.init(w), w, loss_fn=loss_fn, valu=1.0)
 
 
 def test_two_function_form_without_loss_fn_points_to_apply_gradients():
