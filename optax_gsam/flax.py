@@ -68,11 +68,11 @@ class TrainState(train_state.TrainState):
   ``tx.update(g, opt_state, params, loss_fn=..., value=...)``. Keyword
   arguments that name a field of the state (``batch_stats`` in a subclass, for
   instance) are replaced, exactly as in Flax; ``loss_fn``, ``value`` and the
-  other :attr:`forwarded_keywords` are forwarded to ``tx.update``. A ``tx`` without extra-args support (a plain
+  other ``forwarded_keywords`` are forwarded to ``tx.update``. A ``tx`` without extra-args support (a plain
   ``optax.sgd``) ignores them, so the same train step runs with or without GSAM.
   Everything else, ``create`` and the ``step`` counter included, is Flax's.
 
-  A keyword that is neither a field nor in :attr:`forwarded_keywords` raises
+  A keyword that is neither a field nor in ``forwarded_keywords`` raises
   a ``TypeError``, as Flax's ``apply_gradients`` does for unknown fields:
   forwarded, nothing would read it (``stats=`` for ``batch_stats=``, ``valu=``
   for ``value=``) and the step would silently run without it. A transform of
@@ -139,7 +139,7 @@ class TrainState(train_state.TrainState):
       grads: gradients with the structure of ``params`` (the clean gradient
         when ``tx`` starts with :func:`optax_gsam.gsam`).
       **kwargs: names of fields of the state are ``replace``-d in the result;
-        the :attr:`forwarded_keywords` (``loss_fn``, ``value_and_grad_fn``,
+        the ``forwarded_keywords`` (``loss_fn``, ``value_and_grad_fn``,
         ``value``, ...) are passed to ``tx.update``.
 
     Returns:
@@ -148,7 +148,7 @@ class TrainState(train_state.TrainState):
 
     Raises:
       TypeError: when a keyword is neither a field of the state nor in
-        :attr:`forwarded_keywords` (``batch_stat=`` for ``batch_stats=``,
+        ``forwarded_keywords`` (``batch_stat=`` for ``batch_stats=``,
         ``valu=`` for ``value=``): the error names the closest known one.
       ValueError: when ``tx`` needs a loss function (it starts with gsam/sam)
         and neither ``loss_fn`` nor ``value_and_grad_fn`` was passed.
