@@ -58,19 +58,29 @@ def loss(model, state, x, y, key):
   return jnp.mean((pred - y) ** 2), state
 
 
-def make_step(tx, variant="right"):
-  """One step in Equinox's shape; the wrong variants are the mistakes the docs warn about."""
+VARIANTS = {"right": 0, "rebound_state": 1, "fresh_key": 2}
+
+
+def select(flag, a, b):
+  """a where flag else b, leaf by leaf (keys through their data): one compile for every variant."""
+  pick = lambda u, v: jnp.where(flag, u, v)
+  if isinstance(b, jax.Array) and jax.dtypes.issubdtype(b.dtype, jax.dtypes.prng_key):
+    return jax.random.wrap_key_data(pick(jax.random.key_data(a), jax.random.key_data(b)))
+  return jax.tree.map(pick, a, b)
+
+
+@functools.cache
+def make_step(tx):
+  """One step in Equinox's shape; `variant` switches on the mistakes the docs warn about."""
 
   @eqx.filter_jit
-  def step(model, state, opt_state, x, y, key):
+  def step(model, state, opt_state, x, y, key, variant):
     value_and_grad = eqx.filter_value_and_grad(loss, has_aux=True)
     (loss_value, new_state), grads = value_and_grad(model, state, x, y, key)
     params = eqx.filter(model, eqx.is_inexact_array)
-    perturbed_state, perturbed_key = state, key
-    if variant == "rebound_state":  # `(loss, state), grads = ...`, closed over by loss_fn
-      perturbed_state = new_state
-    if variant == "fresh_key":
-      perturbed_key = jax.random.fold_in(key, 1)
+    # `(loss, state), grads = ...` rebinds `state`, and a loss_fn closed over it reads the new one.
+    perturbed_state = select(variant == VARIANTS["rebound_state"], new_state, state)
+    perturbed_key = select(variant == VARIANTS["fresh_key"], jax.random.fold_in(key, 1), key)
     updates, opt_state = tx.update(
       grads,
       opt_state,
@@ -83,20 +93,21 @@ def make_step(tx, variant="right"):
   return step
 
 
-@functools.cache
-def cached_step(tx, variant):
-  return make_step(tx, variant)
-
-
 def run(tx, variant="right", steps=2, seed=1, fixed_key=False):
   model, state = eqx.nn.make_with_state(Net)(jax.random.key(seed))
   opt_state = tx.init(eqx.filter(model, eqx.is_inexact_array))
-  step = cached_step(tx, variant)
+  step = make_step(tx)
   x, y = data()
   losses = []
   for i in range(steps):
     model, state, opt_state, loss_value = step(
-      model, state, opt_state, x, y, jax.random.key(100 + (0 if fixed_key else i))
+      model,
+      state,
+      opt_state,
+      x,
+      y,
+      jax.random.key(100 + (0 if fixed_key else i)),
+      VARIANTS[variant],
     )
     losses.append(float(loss_value))
   return eqx.filter(model, eqx.is_inexact_array), state, opt_state, losses
@@ -131,8 +142,8 @@ def test_gsam_step_trains_and_the_state_comes_from_the_clean_pass():
   model, state0 = eqx.nn.make_with_state(Net)(jax.random.key(1))
   x, y = data()
   key = jax.random.key(100)
-  _, one_state, _, _ = cached_step(GSAM_SGD, "right")(
-    model, state0, GSAM_SGD.init(eqx.filter(model, eqx.is_inexact_array)), x, y, key
+  _, one_state, _, _ = make_step(GSAM_SGD)(
+    model, state0, GSAM_SGD.init(eqx.filter(model, eqx.is_inexact_array)), x, y, key, jnp.int32(0)
   )
 
   @jax.jit

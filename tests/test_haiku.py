@@ -48,15 +48,18 @@ def loss(params, state, rng, x, y):
 
 
 @functools.cache
-def make_step(tx, variant="right"):
+def make_step(tx):
   @jax.jit
-  def step(params, state, opt_state, rng, x, y):
+  def step(params, state, opt_state, rng, perturbed_rng, x, y):
     (loss_value, new_state), grads = jax.value_and_grad(loss, has_aux=True)(
       params, state, rng, x, y
     )
-    p_rng = jax.random.fold_in(rng, 1) if variant == "fresh_rng" else rng
     updates, opt_state = tx.update(
-      grads, opt_state, params, loss_fn=lambda p: loss(p, state, p_rng, x, y), value=loss_value
+      grads,
+      opt_state,
+      params,
+      loss_fn=lambda p: loss(p, state, perturbed_rng, x, y),  # the clean pass's rng, or not
+      value=loss_value,
     )
     return optax.apply_updates(params, updates), new_state, opt_state, loss_value
 
@@ -70,8 +73,9 @@ def run(tx, variant="right", steps=2, fixed_rng=False):
   losses = []
   for i in range(steps):
     rng = jax.random.key(50 + (0 if fixed_rng else i))
-    params, state, opt_state, loss_value = make_step(tx, variant)(
-      params, state, opt_state, rng, x, y
+    perturbed_rng = jax.random.fold_in(rng, 1) if variant == "fresh_rng" else rng
+    params, state, opt_state, loss_value = make_step(tx)(
+      params, state, opt_state, rng, perturbed_rng, x, y
     )
     losses.append(float(loss_value))
   return params, state, opt_state, losses
@@ -102,7 +106,7 @@ def test_step_trains_and_the_state_comes_from_the_clean_pass():
   x, y = data()
   params, state0 = NET.init(jax.random.key(1), x, is_training=True)
   rng = jax.random.key(50)
-  _, one_state, _, _ = make_step(GSAM_SGD)(params, state0, GSAM_SGD.init(params), rng, x, y)
+  _, one_state, _, _ = make_step(GSAM_SGD)(params, state0, GSAM_SGD.init(params), rng, rng, x, y)
 
   @jax.jit
   def clean_and_perturbed_states(params):
