@@ -297,6 +297,20 @@ def needs_fallback(
   return flag
 
 
+def outputs_clean(hyper: Hyperparams, fallback: bool | jax.Array) -> bool | jax.Array:
+  """Where a full step outputs g_c: where it falls back, and where rho_t is 0.
+
+  At radius 0 the full step's output is g_c up to rounding (the cosine of a
+  gradient with itself rounds to 1 +- 1e-7); selecting g_c makes it exact, so a
+  step at rho 0 equals the base optimizer's step bitwise.
+  """
+  positive = hyper.rho_positive
+  not_positive = (not positive) if isinstance(positive, bool) else ~positive
+  if isinstance(fallback, bool) and isinstance(not_positive, bool):
+    return fallback or not_positive
+  return jnp.logical_or(fallback, not_positive)
+
+
 def fall_back_to_clean(
   flag: bool | jax.Array, clean_grads: optax.Updates, result: BranchResult
 ) -> BranchResult:
@@ -363,11 +377,12 @@ def replicated_update(
     result = full_step(settings, hyper.safe_rho, clean_grads, params, grad_fn, clean_loss)
     if settings.per_device:  # Select per device before the mean: no extra all-reduce.
       fallback = needs_fallback(settings, hyper, result, settings.axis_name)
-      result = reduce_over_axis(settings, fall_back_to_clean(fallback, clean_grads, result))
+      result = fall_back_to_clean(outputs_clean(hyper, fallback), clean_grads, result)
+      result = reduce_over_axis(settings, result)
     else:
       result = reduce_over_axis(settings, result)
       fallback = needs_fallback(settings, hyper, result)
-      result = fall_back_to_clean(fallback, clean_grads, result)
+      result = fall_back_to_clean(outputs_clean(hyper, fallback), clean_grads, result)
     return _outcome(result, True, fallback, context, updates)
 
   def cheap() -> Outcome:
@@ -394,7 +409,7 @@ def grouped_update(
   num_groups = settings.num_groups
   assert num_groups is not None
   due, policy_state = decide(settings.policy, context.policy_state, context.count, hyper, updates)
-  keep_clean = settings.on_nonfinite == "clean" or hyper.rho_ok is not True
+  keep_clean = settings.on_nonfinite == "clean" or hyper.rho_positive is not True
 
   def clean_of(group):
     value, grads = group_fn(group)(params)
@@ -408,7 +423,8 @@ def grouped_update(
   def full() -> Outcome:
     result, clean_average = average_groups(num_groups, full_of)
     fallback = needs_fallback(settings, hyper, result) if keep_clean else False
-    result = fall_back_to_clean(fallback, clean_average, result)
+    if keep_clean:
+      result = fall_back_to_clean(outputs_clean(hyper, fallback), clean_average, result)
     return _outcome(result, True, fallback, context, updates)
 
   def cheap_of(group):
