@@ -199,7 +199,8 @@ def _is_nnx_node(value: Any) -> bool:
 _SNAPSHOT_AFTER_CLEAN_PASS = (
   "optax_gsam.flax.nnx_loss_fn was called after the clean pass: the loss advances RNG "
   "counters or batch statistics, and they had not changed between the snapshot and this "
-  "update, so the snapshot holds the state the clean pass left behind. The perturbed pass "
+  "update, so the snapshot holds the state the clean pass left behind (or the clean pass did "
+  "not run on the model itself, whose state then never advances). The perturbed pass "
   "would draw the next dropout masks and normalize with the updated statistics, which is "
   "not GSAM's step (at rho=0 it is not the plain step). Call nnx_loss_fn before "
   "nnx.value_and_grad: perturbed_loss = nnx_loss_fn(loss_fn, model, *args), then the clean "
@@ -213,7 +214,7 @@ def _non_param_leaves(objects: Any, is_param: Callable[..., bool]) -> list[Any]:
 
 
 def _check_snapshot_precedes_clean_pass(
-  snapshot: Any, copies: Any, originals: Any, is_param: Callable[..., bool]
+  params: Any, snapshot: Any, copies: Any, originals: Any, is_param: Callable[..., bool]
 ) -> None:
   """Raises when the loss mutates state that the clean pass left untouched since the snapshot.
 
@@ -221,7 +222,13 @@ def _check_snapshot_precedes_clean_pass(
   throw-away ``copies`` (an RNG counter, batch statistics); the clean pass, the
   same loss on ``originals``, changes the same leaves, so when the originals
   still hold the snapshot's arrays there, the snapshot was taken after it.
+  A call with the model's own parameters (by hand, not the transform's call at
+  the perturbed ones) is not checked.
   """
+  own_params = jax.tree.leaves(nnx.as_pure(nnx.split(originals, is_param, ...)[1]))
+  given = jax.tree.leaves(params)
+  if len(given) == len(own_params) and all(a is b for a, b in zip(given, own_params, strict=True)):
+    return
   before = jax.tree.leaves(snapshot)
   after, now = _non_param_leaves(copies, is_param), _non_param_leaves(originals, is_param)
   if not len(before) == len(after) == len(now):  # The loss made or dropped variables.
@@ -333,7 +340,7 @@ def nnx_loss_fn(
       call_leaves[i] = node
     call_args, call_kwargs = jax.tree.unflatten(treedef, call_leaves)
     output = loss_fn(copy, *call_args, **call_kwargs)
-    _check_snapshot_precedes_clean_pass(rest, (copy, nodes), originals, is_param)
+    _check_snapshot_precedes_clean_pass(params, rest, (copy, nodes), originals, is_param)
     return output
 
   return perturbed_loss_fn

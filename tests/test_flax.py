@@ -721,6 +721,12 @@ def test_update_keyword_near_misses_are_caught_for_the_core_transforms():
   with pytest.raises(TypeError, match=r"los_fn=.*did you mean loss_fn="):
     check_extra_args({"los_fn": None})
   check_extra_args(["value_fn", "grad", "batch_stats", "perturb", "value"])  # other transforms'
+  # Through the transforms' update, as a chain forwards every keyword.
+  w = jnp.ones(3)
+  loss_fn = lambda v: jnp.sum(v**2)
+  for tx in (optax.chain(optax_gsam.gsam(0.1, 0.3), optax.sgd(0.1)), optax_gsam.sam(0.1)):
+    with pytest.raises(TypeError, match=r"valu=.*did you mean value="):
+      tx.update(w, tx.init(w), w, loss_fn=loss_fn, valu=1.0)
 
 
 def test_two_function_form_without_loss_fn_points_to_apply_gradients():
@@ -769,3 +775,56 @@ def test_optimizer_with_rho_from_lr_built_inside_nnx_eval_shape():
   state = make_state(TX_PLAIN)
   shapes = jax.eval_shape(lambda: build_optimizer_tx().init(state.params))
   assert jax.tree.structure(shapes) == jax.tree.structure(build_optimizer_tx().init(state.params))
+
+
+# --- docs/flax.md: what the old lax.pmean kept with axis_name set computes ---------------------
+
+
+def test_kept_pmean_with_axis_name_computes_what_the_docs_say():
+  """Every device perturbs with the average g, decomposes g against its own g_p, outputs averaged."""
+  rho, alpha, n = 0.3, 0.4, 2
+  mesh = jax.make_mesh((n,), ("data",), devices=jax.devices()[:n])
+  x = np.asarray(jax.random.normal(jax.random.key(0), (8, 3)), np.float64)
+  y = np.sin(x.sum(axis=1))
+  w = np.array([0.5, -0.2, 0.1])
+
+  def local_loss(w, x, y):
+    return jnp.mean((jnp.tanh(x @ w) - y) ** 2)
+
+  def step(tx, keep_pmean):
+    def per_device(w, x, y):
+      grads = jax.grad(local_loss)(w, x, y)
+      if keep_pmean:
+        grads = jax.lax.pmean(grads, "data")
+      return tx.update(grads, tx.init(w), w, loss_fn=lambda v: local_loss(v, x, y))[0]
+
+    return optax_gsam.data_parallel(per_device, mesh, axis_name="data", batch_argnums=(1, 2))
+
+  per_device_tx = optax_gsam.gsam(rho, alpha, axis_name="data")
+  kept = step(per_device_tx, True)(jnp.float32(w), x, y)
+  # The formulas in float64: shard k's gradient g_k, the average g, one perturbation from g.
+  grad_of = lambda w, k: np.asarray(
+    jax.grad(local_loss)(w, x[4 * k : 4 * k + 4], y[4 * k : 4 * k + 4]), np.float64
+  )
+  with jax.enable_x64(True):
+    g = np.mean([grad_of(w, k) for k in range(n)], axis=0)
+    eps = rho * g / np.linalg.norm(g)
+    outputs = []
+    for k in range(n):
+      g_p = grad_of(w + eps, k)
+      g_perp = g - (g @ g_p) / (g_p @ g_p) * g_p  # the average, against this device's g_p
+      outputs.append(g_p - alpha * g_perp)
+  np.testing.assert_allclose(kept, np.mean(outputs, axis=0), rtol=1e-5)
+  # Neither documented mode: per-device perturbation without the pmean, or the synchronized one.
+  own = step(per_device_tx, False)(jnp.float32(w), x, y)
+  sync = step(optax_gsam.gsam(rho, alpha, axis_name="data", sync_perturbation=True), False)(
+    jnp.float32(w), x, y
+  )
+  assert float(jnp.max(jnp.abs(kept - own))) > 1e-4
+  assert float(jnp.max(jnp.abs(kept - sync))) > 1e-4
+  # With alpha = 0 (SAM) it is the synchronized step: nothing is decomposed.
+  sam_kept = step(optax_gsam.sam(rho, axis_name="data"), True)(jnp.float32(w), x, y)
+  sam_sync = step(optax_gsam.sam(rho, axis_name="data", sync_perturbation=True), False)(
+    jnp.float32(w), x, y
+  )
+  np.testing.assert_allclose(sam_kept, sam_sync, rtol=1e-6)

@@ -122,3 +122,30 @@ def test_bad_arguments(kwargs, name):
 def test_non_finite_schedule_is_rejected():
   with pytest.raises(ValueError, match="non-finite"):
     optax_gsam.rho_from_lr(lambda c: jnp.log(c * 0.0), 0.6, 0.1, num_steps=10)
+
+
+def test_rho_from_lr_with_num_steps_is_built_inside_a_trace():
+  """Flax's abstract restore builds the optimizer inside jax.eval_shape / nnx.eval_shape."""
+  lr = optax.warmup_cosine_decay_schedule(0.0, 1e-2, 5, 50, end_value=1e-4)
+  eager = optax_gsam.rho_from_lr(lr, 0.1, 0.02, num_steps=50)
+
+  def build_and_init(w):
+    tx = optax.chain(
+      optax_gsam.gsam(optax_gsam.rho_from_lr(lr, 0.1, 0.02, num_steps=50)), optax.sgd(lr)
+    )
+    return tx.init(w)
+
+  shapes = jax.eval_shape(build_and_init, jnp.ones(3))
+  assert jax.tree.structure(shapes) == jax.tree.structure(build_and_init(jnp.ones(3)))
+  inside_jit = jax.jit(lambda c: optax_gsam.rho_from_lr(lr, 0.1, 0.02, num_steps=50)(c))
+  for count in (0, 5, 27, 50):
+    assert float(inside_jit(count)) == pytest.approx(float(eager(count)), rel=1e-6)
+  # A schedule that depends on traced values cannot be read when it is built: say what to do.
+  with pytest.raises(ValueError, match="pass lr_max and lr_min"):
+    jax.jit(lambda s: optax_gsam.rho_from_lr(lambda c: s * lr(c), 0.1, 0.02, num_steps=50)(0))(
+      jnp.float32(1.0)
+    )
+  traced_ok = jax.jit(
+    lambda s: optax_gsam.rho_from_lr(lambda c: s * lr(c), 0.1, 0.02, lr_max=1e-2, lr_min=1e-4)(5)
+  )
+  assert float(traced_ok(jnp.float32(1.0))) == pytest.approx(0.1, rel=1e-6)

@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from optax_gsam._src.validation import PARAMS_FIX
+
 ValueAndGradFn = Callable[[optax.Params], tuple[Any, optax.Updates]]
 # The same with the extra arguments (the group under ``num_groups``) passed on to the user's fn.
 ValueAndGradWithArgsFn = Callable[..., tuple[Any, optax.Updates]]
@@ -23,13 +25,6 @@ MISSING_LOSS_HINT = (
   "If this update comes from flax.training.train_state.TrainState.apply_gradients, that "
   "method does not forward loss_fn: use optax_gsam.flax.TrainState instead. With Flax NNX, "
   "call nnx.Optimizer.update(model, grads, loss_fn=loss_fn)."
-)
-
-EQUINOX_HINT = (
-  "With Equinox, split the model into its float arrays and the rest, "
-  "params, static = eqx.partition(model, eqx.is_inexact_array), call tx.init(params) and "
-  "tx.update(grads, opt_state, params, loss_fn=lambda p: loss(eqx.combine(p, static), ...)), "
-  "with grads from eqx.filter_value_and_grad (docs/equinox.md)."
 )
 
 IGNORED_ARGUMENT = (
@@ -59,7 +54,7 @@ def value_and_grad_from(
   ``loss_fn`` may return a scalar or ``(loss, aux)`` (a tuple or list, as Flax
   and big_vision losses do): the first element is differentiated and the whole
   output is returned as the value. Its loss must be a real scalar that depends
-  on the argument (:func:`check_loss`, :func:`depends_on_params`).
+  on the argument (:func:`check_loss`, :func:`dependence_marker`).
   ``value_and_grad_fn`` is called as it is: it computes its own gradient.
   """
   if (loss_fn is None) == (value_and_grad_fn is None):
@@ -158,7 +153,7 @@ def call_user_function(fn: Callable, params: optax.Params, *args: Any) -> Any:
         f"loss_fn received the params (an Equinox {type(params).__name__} filtered to its "
         "arrays, in which the activation functions and other non-array fields are None) "
         f"and used them as the model ({message}). gsam/sam call loss_fn with exactly what "
-        "tx.update gets as params. Put the rest of the model back inside loss_fn: " + EQUINOX_HINT
+        "tx.update gets as params. " + PARAMS_FIX
       ) from error
     raise
 
@@ -171,17 +166,6 @@ def holds_equinox_module(tree: Any) -> bool:
     return False
   is_module = lambda x: isinstance(x, module_type)
   return any(is_module(leaf) for leaf in jax.tree.leaves(tree, is_leaf=is_module))
-
-
-def structure_mismatch_hint(updates: Any, params: Any) -> str:
-  """What to do when the gradient and params differ in structure ("" when there is no hint).
-
-  An Equinox model passed whole as params holds its functions and Python
-  fields as leaves, which the filtered gradient holds as None.
-  """
-  if holds_equinox_module(params) or holds_equinox_module(updates):
-    return " " + EQUINOX_HINT
-  return ""
 
 
 def check_extra_args(extra_args: Iterable[str], known: tuple[str, ...] = UPDATE_KEYWORDS) -> None:
