@@ -291,8 +291,8 @@ def needs_fallback(
   if settings.on_nonfinite == "clean":
     assert result.diagnostics is not None
     bad = ~(all_finite(result.gradient) & jnp.isfinite(result.diagnostics.perturbed_loss))
-    if any_axis is not None:
-      bad = jax.lax.pmax(bad, any_axis)
+    if any_axis is not None:  # one verdict for all replicas (int32: every backend reduces it)
+      bad = jax.lax.pmax(bad.astype(jnp.int32), any_axis) > 0
     flag = flag | bad
   return flag
 
