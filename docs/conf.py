@@ -25,6 +25,13 @@ extensions = [
   "sphinx-mathjax-offline",
 ]
 
+# MathJax's textmacros extension (in the offline bundle): `\text{minimize\_fp}` shows an
+# underscore, not a backslash and one.
+mathjax3_config = {
+  "loader": {"load": ["[tex]/textmacros"]},
+  "tex": {"packages": {"[+]": ["textmacros"]}},
+}
+
 source_suffix = {".md": "markdown"}
 root_doc = "index"
 exclude_patterns = ["_build", "configs", "Thumbs.db", ".DS_Store"]

@@ -81,7 +81,11 @@ def test_pages_load_nothing_from_the_network(built_site):
   for page in built_site.rglob("*.html"):
     assert not remote.findall(page.read_text()), f"{page.name} loads a remote resource"
   assert (built_site / "_static" / "mathjax" / "tex-chtml.js").exists()
-  assert 'src="_static/mathjax/tex-chtml.js"' in (built_site / "concepts.html").read_text()
+  concepts = (built_site / "concepts.html").read_text()
+  assert 'src="_static/mathjax/tex-chtml.js"' in concepts
+  # \text{minimize\_fp} needs the textmacros extension, which the offline bundle must hold.
+  assert '"textmacros"' in concepts
+  assert (built_site / "_static/mathjax/input/tex/extensions/textmacros.js").exists()
 
 
 def test_signatures_show_only_public_names(built_site):

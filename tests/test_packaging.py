@@ -28,7 +28,8 @@ def _load_tool(name: str):
 def test_floors_file_pins_every_dependency_at_its_declared_floor():
   declared = {}
   # chex is a test dependency, pinned too: the floor subset asserts with it.
-  chex = [r for r in PYPROJECT["project"]["optional-dependencies"]["test"] if r.startswith("chex")]
+  test_core = PYPROJECT["project"]["optional-dependencies"]["test-core"]
+  chex = [r.split("#")[0].strip() for r in test_core if r.startswith("chex")]
   for requirement in PYPROJECT["project"]["dependencies"] + chex:
     name, floor = re.fullmatch(r"([\w.-]+)>=([\w.]+)", requirement).groups()
     declared[name.lower()] = Version(floor)

@@ -189,3 +189,41 @@ def test_random_policy_state_with_a_typed_key_round_trips_through_flax_serializa
   np.testing.assert_array_equal(a[0], b[0])
   full_steps = int(optax.tree.get(a[1], "full_steps"))
   assert 0 < full_steps < 9  # the draws really vary
+
+
+# --- rho = 0 is exactly the base step ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("rho", [0.0, lambda count: 0.0 * count], ids=["static", "schedule"])
+@pytest.mark.parametrize("minimize_fp", [True, False])
+def test_gsam_at_rho_zero_outputs_the_clean_gradient_bitwise(rho, minimize_fp):
+  w, loss_fn = _quadratic()
+  gsam = optax.chain(optax_gsam.gsam(rho, ALPHA, minimize_fp=minimize_fp), optax.adam(LR))
+  plain = optax.adam(LR)
+  a, b = w, w
+  sa, sb = gsam.init(w), plain.init(w)
+  for _ in range(4):
+    updates, sa = gsam.update(jax.grad(loss_fn)(a), sa, a, loss_fn=loss_fn)
+    a = optax.apply_updates(a, updates)
+    updates, sb = plain.update(jax.grad(loss_fn)(b), sb, b)
+    b = optax.apply_updates(b, updates)
+  np.testing.assert_array_equal(a, b)
+  assert int(optax.tree.get(sa, "fallback_count")) == 0
+
+
+def test_per_device_gsam_at_rho_zero_is_the_averaged_clean_gradient(data_mesh):
+  from jax.sharding import PartitionSpec as P
+
+  x = jax.random.normal(jax.random.key(0), (16, 3))
+  w0 = jnp.array([0.3, -0.2, 0.1])
+  tx = optax_gsam.gsam(lambda c: 0.0 * c, ALPHA, axis_name="data")
+
+  def step(w, state, xb):
+    local = lambda q: jnp.mean(jnp.sin(xb @ q) ** 2)
+    return tx.update(jax.grad(local)(w), state, w, loss_fn=local)
+
+  run = optax_gsam.data_parallel(step, data_mesh, batch_argnums=(2,), out_specs=(P(), P()))
+  out, _ = run(w0, tx.init(w0), x)
+  shards = x.reshape(8, 2, 3)
+  local_grads = [jax.grad(lambda q, s=s: jnp.mean(jnp.sin(s @ q) ** 2))(w0) for s in shards]
+  np.testing.assert_allclose(out, np.mean(local_grads, axis=0), rtol=1e-6)

@@ -19,9 +19,8 @@ tests=("${@:-${subset[@]}}")
 rm -rf "$venv"
 "$python" -m venv "$venv"
 "$venv/bin/python" -m pip install --quiet --upgrade pip
-# The test tools are not floored: only the package's own dependencies are.
-"$venv/bin/python" -m pip install --quiet -c "$root/tools/floors.txt" "$root" "pytest>=7.4" \
-  "pytest-xdist>=3.3" "hypothesis>=6.80"
+# The test tools (pytest, hypothesis) are not floored: the package's dependencies and chex are.
+"$venv/bin/python" -m pip install --quiet -c "$root/tools/floors.txt" "$root[test-core]"
 "$venv/bin/python" - "$root/tools/floors.txt" <<'PY'
 import sys
 from importlib.metadata import version

@@ -44,7 +44,7 @@ for python in "${pythons[@]}"; do
   echo "=== $("$python" --version) ($python)"
   "$python" -m venv "$venv"
   "$venv/bin/python" -m pip install --quiet --upgrade pip
-  "$venv/bin/python" -m pip install --quiet --upgrade "$root" pytest pytest-xdist hypothesis
+  "$venv/bin/python" -m pip install --quiet --upgrade "$root[test-core]"
   "$venv/bin/python" -c "
 from importlib.metadata import version
 print('newest:', ', '.join(f'{n}=={version(n)}' for n in

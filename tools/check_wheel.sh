@@ -44,8 +44,7 @@ cp -r "$work/sdist/tests" "$work/sdist/conftest.py" "$work/sdist/pyproject.toml"
 
 "$python" -m venv "$work/venv"
 "$work/venv/bin/python" -m pip install --quiet --upgrade pip
-"$work/venv/bin/python" -m pip install --quiet "${wheel[0]}" "pytest>=7.4" "pytest-xdist>=3.3" \
-  "hypothesis>=6.80"
+"$work/venv/bin/python" -m pip install --quiet "${wheel[0]}[test-core]"
 cd "$work/run"
 "$work/venv/bin/python" - "$work/venv" <<'PY'
 import pathlib, sys

@@ -404,19 +404,18 @@ def gsam(
   ) -> tuple[optax.Updates, GSAMState]:
     _check_update(updates, state, params, perturb, extra_args, policy, check_axis, axis_name)
     hyper = step.hyperparams_at(rho, policy, state.count)
-    policy_inputs = (state.policy_state, state.count)
-    previous = (state.stored_direction, state.diagnostics)
+    context = step.StepContext(
+      settings, hyper, state.policy_state, state.count, state.stored_direction, state.diagnostics
+    )
     if num_groups is None:
       grad_fn = value_and_grad_from(loss_fn, value_and_grad_fn)
       clean_loss = scalar_loss(value) if value is not None else None
       outcome, policy_state = step.replicated_update(
-        settings, hyper, policy_inputs, previous, updates, params, grad_fn, clean_loss, perturb
+        context, updates, params, grad_fn, clean_loss, perturb
       )
     else:
       group_fn = group_value_and_grad(loss_fn, value_and_grad_fn)
-      outcome, policy_state = step.grouped_update(
-        settings, hyper, policy_inputs, previous, updates, params, group_fn, perturb
-      )
+      outcome, policy_state = step.grouped_update(context, updates, params, group_fn, perturb)
     return outcome.gradient, _next_state(state, hyper, outcome, policy_state)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -291,10 +291,24 @@ def needs_fallback(
   if settings.on_nonfinite == "clean":
     assert result.diagnostics is not None
     bad = ~(all_finite(result.gradient) & jnp.isfinite(result.diagnostics.perturbed_loss))
-    if any_axis is not None:
-      bad = jax.lax.pmax(bad, any_axis)
+    if any_axis is not None:  # one verdict for all replicas (int32: every backend reduces it)
+      bad = jax.lax.pmax(bad.astype(jnp.int32), any_axis) > 0
     flag = flag | bad
   return flag
+
+
+def outputs_clean(hyper: Hyperparams, fallback: bool | jax.Array) -> bool | jax.Array:
+  """Where a full step outputs g_c: where it falls back, and where rho_t is 0.
+
+  At radius 0 the full step's output is g_c up to rounding (the cosine of a
+  gradient with itself rounds to 1 +- 1e-7); selecting g_c makes it exact, so a
+  step at rho 0 equals the base optimizer's step bitwise.
+  """
+  positive = hyper.rho_positive
+  not_positive = (not positive) if isinstance(positive, bool) else ~positive
+  if isinstance(fallback, bool) and isinstance(not_positive, bool):
+    return fallback or not_positive
+  return jnp.logical_or(fallback, not_positive)
 
 
 def fall_back_to_clean(
@@ -309,15 +323,26 @@ def fall_back_to_clean(
   return result._replace(gradient=gradient)
 
 
+class StepContext(NamedTuple):
+  """What every stage of one update reads: the settings, the step's hyperparameters, the state."""
+
+  settings: Settings
+  hyper: Hyperparams
+  policy_state: Any
+  count: jax.Array  # type: ignore[assignment]  # shadows tuple.count, like GSAMState
+  stored_direction: optax.Updates | None
+  diagnostics: Diagnostics
+
+
 def _outcome(
   result: BranchResult,
   full: bool,
   fallback: bool | jax.Array,
-  previous: tuple[optax.Updates | None, Diagnostics],
+  context: StepContext,
   like: optax.Updates,
 ) -> Outcome:
   """A reduced branch result, completed with what a cheap step leaves as it was."""
-  previous_stored, previous_diagnostics = previous
+  previous_stored, previous_diagnostics = context.stored_direction, context.diagnostics
   stored = result.stored_direction
   if stored is None:
     stored = previous_stored
@@ -330,10 +355,7 @@ def _outcome(
 
 
 def replicated_update(
-  settings: Settings,
-  hyper: Hyperparams,
-  policy_inputs: tuple[Any, jax.Array],
-  previous: tuple[optax.Updates | None, Diagnostics],
+  context: StepContext,
   updates: optax.Updates,
   params: optax.Params,
   grad_fn: ValueAndGradFn,
@@ -342,39 +364,37 @@ def replicated_update(
 ) -> tuple[Outcome, Any]:
   """Stages 2 to 5 on one device, or on one replica under ``axis_name``.
 
-  ``policy_inputs`` is ``(policy_state, count)``; ``previous`` is the state's
-  ``(stored_direction, diagnostics)``. Returns the outcome and the policy's
-  new state.
+  Returns the outcome and the policy's new state.
   """
+  settings, hyper = context.settings, context.hyper
   clean_grads = pmean(updates, settings.axis_name) if settings.synchronized else updates
   signal_axis = settings.axis_name if settings.per_device else None
-  policy_state, count = policy_inputs
-  due, policy_state = decide(settings.policy, policy_state, count, hyper, clean_grads, signal_axis)
+  due, policy_state = decide(
+    settings.policy, context.policy_state, context.count, hyper, clean_grads, signal_axis
+  )
 
   def full() -> Outcome:
     result = full_step(settings, hyper.safe_rho, clean_grads, params, grad_fn, clean_loss)
     if settings.per_device:  # Select per device before the mean: no extra all-reduce.
       fallback = needs_fallback(settings, hyper, result, settings.axis_name)
-      result = reduce_over_axis(settings, fall_back_to_clean(fallback, clean_grads, result))
+      result = fall_back_to_clean(outputs_clean(hyper, fallback), clean_grads, result)
+      result = reduce_over_axis(settings, result)
     else:
       result = reduce_over_axis(settings, result)
       fallback = needs_fallback(settings, hyper, result)
-      result = fall_back_to_clean(fallback, clean_grads, result)
-    return _outcome(result, True, fallback, previous, updates)
+      result = fall_back_to_clean(outputs_clean(hyper, fallback), clean_grads, result)
+    return _outcome(result, True, fallback, context, updates)
 
   def cheap() -> Outcome:
-    result = cheap_step(settings, hyper.reuse_weight, clean_grads, previous[0])
+    result = cheap_step(settings, hyper.reuse_weight, clean_grads, context.stored_direction)
     result = reduce_over_axis(settings, result)
-    return _outcome(result, False, rho_unusable(hyper), previous, updates)
+    return _outcome(result, False, rho_unusable(hyper), context, updates)
 
   return choose(due, full, cheap, perturb), policy_state
 
 
 def grouped_update(
-  settings: Settings,
-  hyper: Hyperparams,
-  policy_inputs: tuple[Any, jax.Array],
-  previous: tuple[optax.Updates | None, Diagnostics],
+  context: StepContext,
   updates: optax.Updates,
   params: optax.Params,
   group_fn: Callable[[jax.Array], ValueAndGradFn],
@@ -385,11 +405,11 @@ def grouped_update(
   Where a fallback to the clean gradient can happen, the scan also averages
   the groups' clean gradients, so no group is evaluated twice.
   """
-  policy_state, count = policy_inputs
+  settings, hyper = context.settings, context.hyper
   num_groups = settings.num_groups
   assert num_groups is not None
-  due, policy_state = decide(settings.policy, policy_state, count, hyper, updates)
-  keep_clean = settings.on_nonfinite == "clean" or hyper.rho_ok is not True
+  due, policy_state = decide(settings.policy, context.policy_state, context.count, hyper, updates)
+  keep_clean = settings.on_nonfinite == "clean" or hyper.rho_positive is not True
 
   def clean_of(group):
     value, grads = group_fn(group)(params)
@@ -403,15 +423,16 @@ def grouped_update(
   def full() -> Outcome:
     result, clean_average = average_groups(num_groups, full_of)
     fallback = needs_fallback(settings, hyper, result) if keep_clean else False
-    result = fall_back_to_clean(fallback, clean_average, result)
-    return _outcome(result, True, fallback, previous, updates)
+    if keep_clean:
+      result = fall_back_to_clean(outputs_clean(hyper, fallback), clean_average, result)
+    return _outcome(result, True, fallback, context, updates)
 
   def cheap_of(group):
-    return cheap_step(settings, hyper.reuse_weight, clean_of(group)[1], previous[0])
+    return cheap_step(settings, hyper.reuse_weight, clean_of(group)[1], context.stored_direction)
 
   def cheap() -> Outcome:
     result = average_groups(num_groups, cheap_of)
-    return _outcome(result, False, rho_unusable(hyper), previous, updates)
+    return _outcome(result, False, rho_unusable(hyper), context, updates)
 
   return choose(due, full, cheap, perturb), policy_state
 
