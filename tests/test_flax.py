@@ -1,10 +1,11 @@
 """optax_gsam.flax.TrainState, optax_gsam.flax.nnx_loss_fn and the steps of docs/flax.md.
 
-Consistency of the two passes is tested through rho = 0: the perturbed weights
-then equal the clean ones, so the GSAM update equals the base optimizer's
-update on the clean gradient exactly when the perturbed pass sees the same
-dropout mask and the same inputs. A negative control with a fresh key shows the
-test can fail.
+Consistency of the two passes is tested at a tiny rho (at rho = 0 the transform
+outputs the clean gradient without using the perturbed pass): the perturbed
+weights are then within 1e-5 of the clean ones, so the GSAM update is the base
+optimizer's update on the clean gradient, to O(rho), exactly when the perturbed
+pass sees the same dropout mask and the same inputs. A negative control with a
+fresh key shows the test can fail.
 """
 
 import functools
@@ -29,7 +30,8 @@ from optax_gsam.flax import nnx_loss_fn
 
 LR = 0.1
 # Shared so that the jitted steps compile once per optimizer.
-TX_RHO0 = optax.chain(optax_gsam.gsam(0.0, 0.5), optax.sgd(LR))
+RHO_TINY = 1e-5
+TX_TINY = optax.chain(optax_gsam.gsam(RHO_TINY, 0.5), optax.sgd(LR))
 TX_GSAM = optax.chain(optax_gsam.gsam(0.5, 0.3), optax.sgd(LR))
 TX_PLAIN = optax.sgd(LR)
 
@@ -130,15 +132,15 @@ def max_tree_diff(a, b):
 def test_linen_perturbed_pass_sees_clean_rng_and_inputs():
   x, y = data()
   key = jax.random.key(3)
-  gsam, plain = make_state(TX_RHO0), make_state(TX_PLAIN)
+  gsam, plain = make_state(TX_TINY), make_state(TX_PLAIN)
   for step in range(2):
     k = jax.random.fold_in(key, step)
     gsam, plain = gsam_step(gsam, x, y, k), plain_step(plain, x, y, k)
-    chex.assert_trees_all_close(gsam.params, plain.params, rtol=1e-5, atol=1e-7)
+    chex.assert_trees_all_close(gsam.params, plain.params, rtol=1e-5, atol=1e-5)  # O(rho)
     chex.assert_trees_all_close(gsam.batch_stats, plain.batch_stats, rtol=1e-6, atol=1e-7)
   # Negative control: fresh randomness in the perturbed pass changes the update.
-  wrong = gsam_step_fresh_randomness(make_state(TX_RHO0), x, y, key)
-  right = gsam_step(make_state(TX_RHO0), x, y, key)
+  wrong = gsam_step_fresh_randomness(make_state(TX_TINY), x, y, key)
+  right = gsam_step(make_state(TX_TINY), x, y, key)
   assert max_tree_diff(wrong.params, right.params) > 1e-3
 
 
@@ -278,18 +280,18 @@ def nnx_pair(tx):
 
 def test_nnx_perturbed_pass_sees_clean_rng_and_stats_are_clean():
   x, y = data()
-  gsam_model, gsam_opt = nnx_pair(TX_RHO0)
+  gsam_model, gsam_opt = nnx_pair(TX_TINY)
   plain_model, plain_opt = nnx_pair(TX_PLAIN)
   for _ in range(2):
     nnx_gsam_step(gsam_model, gsam_opt, x, y)
     nnx_plain_step(plain_model, plain_opt, x, y)
     for kind in (nnx.Param, nnx.BatchStat, nnx.RngCount):
       chex.assert_trees_all_close(
-        nnx.state(gsam_model, kind), nnx.state(plain_model, kind), rtol=1e-5, atol=1e-7
+        nnx.state(gsam_model, kind), nnx.state(plain_model, kind), rtol=1e-5, atol=1e-5
       )
-  # Negative control: a perturbed pass with another dropout mask changes the rho = 0 step.
-  wrong_model, wrong_opt = nnx_pair(TX_RHO0)
-  right_model, right_opt = nnx_pair(TX_RHO0)
+  # Negative control: a perturbed pass with another dropout mask changes the tiny-rho step.
+  wrong_model, wrong_opt = nnx_pair(TX_TINY)
+  right_model, right_opt = nnx_pair(TX_TINY)
   nnx_gsam_step_other_mask(wrong_model, wrong_opt, x, y)
   right_model.dropout.rngs()  # the same clean pass as the wrong step's
   nnx_gsam_step(right_model, right_opt, x, y)
@@ -406,10 +408,10 @@ def mnist_setup(tx):
   return model, nnx.Optimizer(model, tx, wrt=nnx.Param), mnist_metrics(), nnx.Rngs(7)
 
 
-def test_nnx_rngs_argument_step_equals_plain_step_at_rho_zero():
-  """rho = 0: the GSAM step is the plain step iff the perturbed pass redraws the clean masks."""
+def test_nnx_rngs_argument_step_equals_plain_step_at_tiny_rho():
+  """Tiny rho: the GSAM step is the plain step iff the perturbed pass redraws the clean masks."""
   batch = mnist_batch()
-  gsam = mnist_setup(TX_RHO0)
+  gsam = mnist_setup(TX_TINY)
   plain = mnist_setup(TX_PLAIN)
   for _ in range(2):
     mnist_gsam_step(*gsam, batch)
@@ -417,7 +419,7 @@ def test_nnx_rngs_argument_step_equals_plain_step_at_rho_zero():
     (g_model, _, g_metrics, g_rngs), (p_model, _, p_metrics, p_rngs) = gsam, plain
     for kind in (nnx.Param, nnx.BatchStat):
       chex.assert_trees_all_close(
-        nnx.state(g_model, kind), nnx.state(p_model, kind), rtol=1e-5, atol=1e-6
+        nnx.state(g_model, kind), nnx.state(p_model, kind), rtol=1e-5, atol=1e-5
       )
     # The RNG advanced exactly as in the plain step: once per draw of the clean pass.
     assert int(g_rngs.default.count[...]) == int(p_rngs.default.count[...])
@@ -426,8 +428,8 @@ def test_nnx_rngs_argument_step_equals_plain_step_at_rho_zero():
     )
   assert int(p_rngs.default.count[...]) == 4  # two dropout layers, two steps
   # Negative control: other masks in the perturbed pass, so the update differs.
-  wrong = mnist_setup(TX_RHO0)
-  right = mnist_setup(TX_RHO0)
+  wrong = mnist_setup(TX_TINY)
+  right = mnist_setup(TX_TINY)
   mnist_gsam_step_other_rngs(*wrong, batch)
   mnist_gsam_step(*right, batch)
   assert max_tree_diff(nnx.state(wrong[0], nnx.Param), nnx.state(right[0], nnx.Param)) > 1e-4
@@ -745,11 +747,11 @@ def test_two_function_form_without_loss_fn_points_to_apply_gradients():
 
 def test_nnx_loss_fn_called_after_the_clean_pass_raises():
   x, y = data()
-  model, optimizer = nnx_pair(TX_RHO0)
+  model, optimizer = nnx_pair(TX_TINY)
   with pytest.raises(ValueError, match=r"nnx_loss_fn was called after the clean pass.*before"):
     nnx_gsam_step_split_late(model, optimizer, x, y)
   with pytest.raises(ValueError, match="nnx_loss_fn was called after the clean pass"):
-    mnist_gsam_step_snapshot_late(*mnist_setup(TX_RHO0), mnist_batch())
+    mnist_gsam_step_snapshot_late(*mnist_setup(TX_TINY), mnist_batch())
   # A model whose loss mutates nothing: the order does not matter, and nothing is raised.
   linear = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
   linear_optimizer = nnx.Optimizer(linear, TX_GSAM, wrt=nnx.Param)
