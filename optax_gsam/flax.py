@@ -202,7 +202,7 @@ _SNAPSHOT_AFTER_CLEAN_PASS = (
   "update, so the snapshot holds the state the clean pass left behind (or the clean pass did "
   "not run on the model itself, whose state then never advances). The perturbed pass "
   "would draw the next dropout masks and normalize with the updated statistics, which is "
-  "not GSAM's step (at rho=0 it is not the plain step). Call nnx_loss_fn before "
+  "not GSAM's step (at a tiny rho it is not the plain step). Call nnx_loss_fn before "
   "nnx.value_and_grad: perturbed_loss = nnx_loss_fn(loss_fn, model, *args), then the clean "
   "pass, then optimizer.update(model, grads, loss_fn=perturbed_loss, value=loss)."
 )
