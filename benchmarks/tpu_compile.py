@@ -316,18 +316,33 @@ _INSTRUCTION = re.compile(
 )
 
 
+def _top_level(shape_text: str) -> list[str]:
+  """The elements of a tuple shape (the shape itself if it is not a tuple)."""
+  text = shape_text.strip()
+  if not text.startswith("("):
+    return [text]
+  parts, depth, current = [], 0, ""
+  for ch in text[1:-1]:
+    depth += {"(": 1, ")": -1, "{": 1, "}": -1}.get(ch, 0)
+    if ch == "," and depth == 0:
+      parts.append(current)
+      current = ""
+    else:
+      current += ch
+  return [*parts, current]
+
+
 def collectives(hlo_text: str) -> dict[str, dict[str, int]]:
   """Collective ops in compiled HLO text, by kind: count and bytes of their results.
 
-  An async op counts at its ``-start``. Its result tuple holds the operands as
-  well as the results for every kind but all-reduce, so there only the second
-  half counts. Both branches of a conditional are counted.
+  An async op counts at its ``-start``. Except for all-reduce, whose result is
+  its reduced operands, a ``-start`` returns ``(operands, results, ...)``, and
+  only the results count. Both branches of a conditional are counted.
   """
   found: dict[str, dict[str, int]] = {}
   for shape, kind, start in _INSTRUCTION.findall(hlo_text):
-    nbytes = _shape_bytes(shape)
-    if start and kind != "all-reduce":
-      nbytes //= 2
+    parts = _top_level(shape)
+    nbytes = _shape_bytes(parts[1] if start and kind != "all-reduce" else shape)
     entry = found.setdefault(kind, {"count": 0, "bytes": 0})
     entry["count"] += 1
     entry["bytes"] += nbytes
