@@ -198,8 +198,9 @@ class Contender:
 
 CONTENDERS = {
   "adamw": Contender(lambda base, hp: base, "base"),
-  "sam": Contender(lambda base, hp: optax.chain(optax_gsam.sam(hp.rho, axis_name=AXIS), base)),
   "gsam": Contender(lambda base, hp: optax.chain(_policy_gsam(hp), base)),
+  "plain gsam": Contender(lambda base, hp: base, "plain"),
+  "optax.contrib.sam": Contender(_contrib_sam, "grad_fn"),
   "gsam sync": Contender(
     lambda base, hp: optax.chain(_policy_gsam(hp, sync_perturbation=True), base)
   ),
@@ -209,6 +210,7 @@ CONTENDERS = {
   "gsam k=5 cheap": Contender(
     lambda base, hp: optax.chain(_policy_gsam(hp, perturb_every=5), base), perturb=False
   ),
+  "sam": Contender(lambda base, hp: optax.chain(optax_gsam.sam(hp.rho, axis_name=AXIS), base)),
   "gsam k=5 cond": Contender(lambda base, hp: optax.chain(_policy_gsam(hp, perturb_every=5), base)),
   "gnorm cheap": Contender(
     lambda base, hp: optax.chain(
@@ -220,8 +222,6 @@ CONTENDERS = {
     lambda base, hp: optax.chain(optax_gsam.momentum_sam(hp.rho, 0.9, axis_name=AXIS), base),
     "momentum",
   ),
-  "optax.contrib.sam": Contender(_contrib_sam, "grad_fn"),
-  "plain gsam": Contender(lambda base, hp: base, "plain"),
 }
 
 
@@ -483,8 +483,8 @@ def main(argv: list[str] | None = None) -> dict:
     "rows": [],
   }
   rows = result["rows"]
-  for dtype in args.dtypes:
-    for name in names:
+  for name in names:  # Contender-major: an interrupted run has both dtypes of the first ones.
+    for dtype in args.dtypes:
       compiled, param_bytes, seconds = compile_step(
         mesh, config, DTYPES[dtype], CONTENDERS[name], args.per_core_batch
       )
@@ -493,6 +493,8 @@ def main(argv: list[str] | None = None) -> dict:
       print(f"  compiled {dtype} {name} in {seconds:.0f} s", flush=True)
       del compiled
       _write(out, result)  # After every compile, so an interrupted run keeps what it did.
+  order = {d: i for i, d in enumerate(args.dtypes)}
+  rows.sort(key=lambda r: order[r["dtype"]])  # stable: contenders keep their order
   print(format_table(rows))
   checked = targets(rows)
   for what, value, ok in checked:
