@@ -65,6 +65,7 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from jax.sharding import SingleDeviceSharding
 
 import optax_gsam
 
@@ -349,6 +350,18 @@ def collectives(hlo_text: str) -> dict[str, dict[str, int]]:
   return found
 
 
+_CONDITIONAL = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.+?)\s+conditional\((.*)$", re.M)
+
+
+def conditionals(hlo_text: str) -> list[dict[str, int]]:
+  """Each ``conditional`` in compiled HLO: the bytes of its result and of its operands."""
+  found = []
+  for shape, rest in _CONDITIONAL.findall(hlo_text):
+    operands = re.split(r"\),\s*(?:branch_computations|true_computation)=", rest)[0]
+    found.append({"result_bytes": _shape_bytes(shape), "operand_bytes": _shape_bytes(operands)})
+  return found
+
+
 def analyse(compiled) -> dict[str, Any]:
   """The per-core figures the TPU compiler gives for one compiled step."""
   memory = compiled.memory_analysis()
@@ -367,8 +380,109 @@ def analyse(compiled) -> dict[str, Any]:
   row["flops"] = float(cost.get("flops", float("nan")))
   row["bytes_accessed"] = float(cost.get("bytes accessed", float("nan")))
   row["optimal_seconds"] = float(cost.get("optimal_seconds", float("nan")))
-  row["collectives"] = collectives(compiled.as_text())
+  hlo = compiled.as_text()
+  row["collectives"] = collectives(hlo)
+  row["conditionals"] = conditionals(hlo)
   return row
+
+
+def out_of_memory(error: Exception) -> dict[str, Any] | None:
+  """The TPU compiler's refusal of a program too large for HBM, or None for other errors."""
+  text = str(error)
+  if "RESOURCE_EXHAUSTED" not in text and "Ran out of memory" not in text:
+    return None
+  used = re.search(r"Used ([\d.]+)([KMGT]) of ([\d.]+)([KMGT]) hbm", text)
+  scale = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+  found = {"error": text.strip().splitlines()[0][:300]}
+  if used:
+    found["used_bytes"] = int(float(used[1]) * scale[used[2]])
+    found["hbm_limit_bytes"] = int(float(used[3]) * scale[used[4]])
+  return found
+
+
+def probe_batch(mesh, config, dtype, contender, per_core) -> dict[str, Any]:
+  """Compiles at one per-core batch: the peak, or the compiler's out-of-memory verdict."""
+  try:
+    compiled, _, seconds = compile_step(mesh, config, dtype, contender, per_core)
+  except Exception as error:  # The TPU compiler raises when the program does not fit.
+    refused = out_of_memory(error)
+    if refused is None:
+      raise
+    return {"batch": per_core, "compiles": False, **refused}
+  row = analyse(compiled)
+  keys = ("peak_bytes", "temp_bytes", "argument_bytes", "output_bytes", "alias_bytes")
+  return {"batch": per_core, "compiles": True, **{k: row[k] for k in keys}, "compile_s": seconds}
+
+
+def fits(probe: dict[str, Any]) -> bool:
+  return probe["compiles"] and probe["peak_bytes"] <= HBM_BYTES
+
+
+def largest_batch(probe: Callable[[int], dict], start: int, step: int) -> tuple[int, list[dict]]:
+  """The largest multiple of ``step`` whose step fits in HBM, by bisection over compiles.
+
+  The bracket [fits, does not fit] is split where the line through the two
+  probes nearest the limit crosses 16 GiB (peak memory is close to linear in
+  the batch), clamped inside the bracket, until it is one ``step`` wide.
+  """
+  probes = [probe(start)]
+  lo, hi = (start, None) if fits(probes[0]) else (0, start)
+  while hi is None or hi - lo > step:
+    measured = sorted((p for p in probes if p["compiles"]), key=lambda p: p["batch"])[-2:]
+    guess = 2 * max(lo, step)
+    if len(measured) == 2 and measured[1]["peak_bytes"] > measured[0]["peak_bytes"]:
+      (b0, p0), (b1, p1) = ((p["batch"], p["peak_bytes"]) for p in measured)
+      guess = int(b0 + (HBM_BYTES - p0) * (b1 - b0) / (p1 - p0))
+    guess = max(guess // step * step, lo + step)
+    if hi is not None:
+      guess = min(guess, hi - step)
+    probes.append(probe(guess))
+    lo, hi = (guess, hi) if fits(probes[-1]) else (lo, guess)
+  return lo, probes
+
+
+def max_batch_table(mesh, config, names, dtypes, step) -> list[dict]:
+  rows = []
+  for name in names:
+    for dtype in dtypes:
+      probe = lambda b, name=name, dtype=dtype: probe_batch(
+        mesh, config, DTYPES[dtype], CONTENDERS[name], b
+      )
+      best, probes = largest_batch(probe, 64, step)
+      rows.append({"contender": name, "dtype": dtype, "largest_batch": best, "probes": probes})
+      print(f"  {dtype} {name}: largest per-core batch {best} ({len(probes)} compiles)", flush=True)
+  return rows
+
+
+def gradient_cache_table(batches, chunk, tile) -> dict[str, dict[str, Any]]:
+  """benchmarks/gradient_cache.py's two-tower CLIP step compiled for one TPU v3 core."""
+  import gradient_cache  # the model and the three forms, as on the CPU
+
+  core = tpu_mesh("v3-8").devices.flat[0]
+  config = dict(  # gradient_cache.py's configuration
+    seq=32, image_features=48, text_features=32, width=64, depth=2, heads=4, mlp=256, out=32
+  )
+  params, embed, batch_spec = gradient_cache.make_problem(config)
+  on_core = lambda tree: jax.tree.map(
+    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=SingleDeviceSharding(core)), tree
+  )
+  table = {}
+  for name, fn in gradient_cache.variants(embed, chunk, tile).items():
+    table[name] = {}
+    for batch in batches:
+      try:
+        compiled = jax.jit(fn).lower(on_core(params), on_core(batch_spec(batch))).compile()
+        memory = compiled.memory_analysis()
+        entry = {"temp_bytes": int(memory.temp_size_in_bytes), "compiles": True}
+      except Exception as error:
+        refused = out_of_memory(error)
+        if refused is None:
+          raise
+        entry = {"compiles": False, **refused}
+      table[name][str(batch)] = entry
+      temp = entry.get("temp_bytes", entry.get("used_bytes", 0))
+      print(f"  {name} batch {batch}: temp {temp / 2**20:.0f} MiB", flush=True)
+  return {"config": config, "chunk_size": chunk, "tile_size": tile, "temp": table}
 
 
 # ----------------------------------------------------------------------------- report
@@ -451,48 +565,49 @@ def targets(rows: list[dict]) -> list[tuple[str, float | None, bool | None]]:
   return out
 
 
-def main(argv: list[str] | None = None) -> dict:
+def parse_args(argv):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true", help="small ViT for a v3-8")
   parser.add_argument("--topology", choices=list(TOPOLOGIES), default=None)
   parser.add_argument("--per-core-batch", type=int, default=64)
   parser.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=None)
   parser.add_argument("--contenders", nargs="+", choices=list(CONTENDERS), default=None)
+  parser.add_argument(
+    "--max-batch", action="store_true", help="largest per-core batch that fits, by bisection"
+  )
+  parser.add_argument("--batch-step", type=int, default=8, help="--max-batch granularity")
+  parser.add_argument(
+    "--gradient-cache",
+    action="store_true",
+    help="gradient_cache.py's CLIP step on one v3 core instead",
+  )
+  parser.add_argument("--cache-batches", type=int, nargs="+", default=[1024, 4096, 16384, 32768])
   parser.add_argument("--out", type=pathlib.Path, default=None)
   args = parser.parse_args(argv)
-  topology = args.topology or ("v3-8" if args.quick else "v3-64")
-  config = VIT_QUICK if args.quick else VIT_B32
+  args.topology = args.topology or ("v3-8" if args.quick else "v3-64")
+  args.config = VIT_QUICK if args.quick else VIT_B32
   args.dtypes = args.dtypes or (["f32"] if args.quick else list(DTYPES))
-  names = args.contenders or list(QUICK_CONTENDERS if args.quick else CONTENDERS)
-  out = args.out or RESULTS / ("tpu_compile_quick.json" if args.quick else "tpu_compile.json")
+  default = ("adamw", "sam", "gsam") if args.max_batch else CONTENDERS
+  args.contenders = args.contenders or list(QUICK_CONTENDERS if args.quick else default)
+  stem = "tpu_compile" + ("_max_batch" if args.max_batch else "")
+  stem = "tpu_compile_gradient_cache" if args.gradient_cache else stem
+  args.out = args.out or RESULTS / (stem + ("_quick" if args.quick else "") + ".json")
+  return args
 
-  mesh = tpu_mesh(topology)
-  print(f"{topology}: {mesh.size} TPU cores, {config}, {args.per_core_batch} images per core")
-  result = {
-    "command": " ".join(["python benchmarks/tpu_compile.py", *(argv or sys.argv[1:])]),
-    "topology": topology,
-    "cores": mesh.size,
-    "model": dataclasses.asdict(config),
-    "per_core_batch": args.per_core_batch,
-    "hparams": dataclasses.asdict(HParams()),
-    "peak_formula": "argument + output - alias + temp + generated_code (bytes per core)",
-    "time_estimate_key": "optimal_seconds",
-    "code": code_version(),
-    "jax": jax.__version__,
-    "libtpu": _libtpu_version(),
-    "rows": [],
-  }
-  rows = result["rows"]
-  for name in names:  # Contender-major: an interrupted run has both dtypes of the first ones.
+
+def step_table(args, mesh, result) -> None:
+  """The per-core figures of every contender at one batch size, into ``result``."""
+  rows = result["rows"] = []
+  for name in args.contenders:  # Contender-major: an interrupted run has both dtypes.
     for dtype in args.dtypes:
       compiled, param_bytes, seconds = compile_step(
-        mesh, config, DTYPES[dtype], CONTENDERS[name], args.per_core_batch
+        mesh, args.config, DTYPES[dtype], CONTENDERS[name], args.per_core_batch
       )
       row = {"dtype": dtype, "contender": name, "param_bytes": param_bytes, **analyse(compiled)}
       rows.append({**row, "compile_s": seconds})
       print(f"  compiled {dtype} {name} in {seconds:.0f} s", flush=True)
       del compiled
-      _write(out, result)  # After every compile, so an interrupted run keeps what it did.
+      _write(args.out, result)  # After every compile, so an interrupted run keeps what it did.
   order = {d: i for i, d in enumerate(args.dtypes)}
   rows.sort(key=lambda r: order[r["dtype"]])  # stable: contenders keep their order
   print(format_table(rows))
@@ -500,8 +615,41 @@ def main(argv: list[str] | None = None) -> dict:
   for what, value, ok in checked:
     print(f"{what}: {value:.4f} -> {'met' if ok else 'MISSED'}")
   result["targets"] = [{"target": w, "value": v, "met": ok} for w, v, ok in checked]
-  _write(out, result)
-  print(f"wrote {out}")
+
+
+def main(argv: list[str] | None = None) -> dict:
+  args = parse_args(argv)
+  result = {
+    "command": " ".join(["python benchmarks/tpu_compile.py", *(argv or sys.argv[1:])]),
+    "code": code_version(),
+    "jax": jax.__version__,
+    "libtpu": _libtpu_version(),
+  }
+  if args.gradient_cache:
+    result.update(gradient_cache_table(args.cache_batches, 128, 128))
+    _write(args.out, result)
+    print(f"wrote {args.out}")
+    return result
+  mesh = tpu_mesh(args.topology)
+  print(f"{args.topology}: {mesh.size} TPU cores, {args.config}")
+  result.update(
+    topology=args.topology,
+    cores=mesh.size,
+    model=dataclasses.asdict(args.config),
+    hparams=dataclasses.asdict(HParams()),
+    peak_formula="argument + output - alias + temp + generated_code (bytes per core)",
+    hbm_bytes=HBM_BYTES,
+  )
+  if args.max_batch:
+    result["batch_step"] = args.batch_step
+    result["rows"] = max_batch_table(
+      mesh, args.config, args.contenders, args.dtypes, args.batch_step
+    )
+  else:
+    result.update(per_core_batch=args.per_core_batch, time_estimate_key="optimal_seconds")
+    step_table(args, mesh, result)
+  _write(args.out, result)
+  print(f"wrote {args.out}")
   return result
 
 

@@ -7,6 +7,7 @@ CPU backend, so the claims are checked in bytes, not in op counts.
 """
 
 import importlib.util
+import re
 import sys
 from pathlib import Path
 
@@ -70,3 +71,14 @@ def test_collective_parser_reads_tuple_and_async_all_reduces(tpu_compile):
     "all-reduce": {"count": 3, "bytes": 4 * 256 * 256 + 40 + 64 + 4 + 64},
     "all-gather": {"count": 1, "bytes": 256},
   }
+
+
+def test_docs_ahead_of_time_example_compiles_for_a_tpu():
+  """docs/distributed.md's blocks, run in order, with libtpu: the TPU branch runs."""
+  page = Path(__file__).resolve().parents[1] / "docs" / "distributed.md"
+  blocks = re.findall(r"^```python\n(.*?)^```", page.read_text(), re.S | re.M)
+  namespace = {"__name__": "docs_distributed_tpu"}
+  for block in blocks:
+    exec(compile(block, str(page), "exec"), namespace)
+  assert namespace["pod_mesh"].devices.flat[0].platform == "tpu"
+  assert namespace["peak"] > 0 and namespace["all_reduces"] >= 1
