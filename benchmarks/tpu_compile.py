@@ -583,6 +583,9 @@ def parse_args(argv):
   )
   parser.add_argument("--cache-batches", type=int, nargs="+", default=[1024, 4096, 16384, 32768])
   parser.add_argument("--out", type=pathlib.Path, default=None)
+  parser.add_argument(
+    "--append", action="store_true", help="keep --out's rows of the contenders not compiled"
+  )
   args = parser.parse_args(argv)
   args.topology = args.topology or ("v3-8" if args.quick else "v3-64")
   args.config = VIT_QUICK if args.quick else VIT_B32
@@ -598,6 +601,10 @@ def parse_args(argv):
 def step_table(args, mesh, result) -> None:
   """The per-core figures of every contender at one batch size, into ``result``."""
   rows = result["rows"] = []
+  if args.append and args.out.exists():  # Keep the rows of contenders not compiled again.
+    redo = {(d, n) for d in args.dtypes for n in args.contenders}
+    kept = json.loads(args.out.read_text())["rows"]
+    rows.extend(r for r in kept if (r["dtype"], r["contender"]) not in redo)
   for name in args.contenders:  # Contender-major: an interrupted run has both dtypes.
     for dtype in args.dtypes:
       compiled, param_bytes, seconds = compile_step(
@@ -608,8 +615,8 @@ def step_table(args, mesh, result) -> None:
       print(f"  compiled {dtype} {name} in {seconds:.0f} s", flush=True)
       del compiled
       _write(args.out, result)  # After every compile, so an interrupted run keeps what it did.
-  order = {d: i for i, d in enumerate(args.dtypes)}
-  rows.sort(key=lambda r: order[r["dtype"]])  # stable: contenders keep their order
+  names = list(CONTENDERS)
+  rows.sort(key=lambda r: (r["dtype"] != "f32", names.index(r["contender"])))
   print(format_table(rows))
   checked = targets(rows)
   for what, value, ok in checked:
