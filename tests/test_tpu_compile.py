@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip(
-  "libtpu",
+needs_libtpu = pytest.mark.skipif(
+  importlib.util.find_spec("libtpu") is None,
   reason="libtpu is not installed; pip install -e '.[tpu-compile]' to compile for a TPU topology",
 )
 
@@ -47,6 +47,7 @@ def all_reduce_bytes(tpu_compile):
   return out, param_bytes
 
 
+@needs_libtpu
 def test_per_device_gsam_all_reduces_the_base_steps_gradient_bytes(all_reduce_bytes):
   got, param_bytes = all_reduce_bytes
   assert got["adamw"] == param_bytes + 4  # the float32 gradient and the loss
@@ -54,6 +55,7 @@ def test_per_device_gsam_all_reduces_the_base_steps_gradient_bytes(all_reduce_by
   assert 0 < got["gsam"] - got["adamw"] <= 64
 
 
+@needs_libtpu
 def test_synchronized_gsam_adds_exactly_one_gradient(all_reduce_bytes):
   got, param_bytes = all_reduce_bytes
   assert got["gsam sync"] - got["gsam"] == param_bytes
@@ -73,6 +75,7 @@ def test_collective_parser_reads_tuple_and_async_all_reduces(tpu_compile):
   }
 
 
+@needs_libtpu
 def test_docs_ahead_of_time_example_compiles_for_a_tpu():
   """docs/distributed.md's blocks, run in order, with libtpu: the TPU branch runs."""
   page = Path(__file__).resolve().parents[1] / "docs" / "distributed.md"
@@ -82,3 +85,42 @@ def test_docs_ahead_of_time_example_compiles_for_a_tpu():
     exec(compile(block, str(page), "exec"), namespace)
   assert namespace["pod_mesh"].devices.flat[0].platform == "tpu"
   assert namespace["peak"] > 0 and namespace["all_reduces"] >= 1
+
+
+def test_bisection_finds_the_largest_fitting_batch_in_few_compiles(tpu_compile):
+  """A fake compiler: peak linear in the batch, plus a kink, and refusals above some batch."""
+  gib = 2**30
+
+  def probe(batch, slope, refuse_above):
+    if batch > refuse_above:
+      return {"batch": batch, "compiles": False}
+    peak = 2 * gib + slope * batch + (gib // 4 if batch > 300 else 0)
+    return {"batch": batch, "compiles": True, "peak_bytes": peak}
+
+  for slope, refuse_above, most in (
+    (gib // 40, 10**6, 4),
+    (gib // 100, 10**6, 5),
+    (gib // 40, 200, 10),
+  ):
+    calls = []
+
+    def counted(batch, slope=slope, refuse_above=refuse_above, calls=calls):
+      calls.append(batch)
+      return probe(batch, slope, refuse_above)
+
+    best, probes = tpu_compile.largest_batch(counted, 64, 8)
+    fitting = [b for b in range(8, 4096, 8) if tpu_compile.fits(probe(b, slope, refuse_above))]
+    assert best == max(fitting), (slope, refuse_above, calls)
+    assert len(probes) == len(calls) <= most and calls[0] == 64, calls
+    assert all(b % 8 == 0 for b in calls)
+
+
+def test_out_of_memory_is_read_from_the_compilers_message(tpu_compile):
+  error = RuntimeError(
+    "RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory space "
+    "hbm. Used 20.50G of 15.48G hbm. Exceeded hbm capacity by 5.02G."
+  )
+  found = tpu_compile.out_of_memory(error)
+  assert found["used_bytes"] == int(20.5 * 2**30)
+  assert found["hbm_limit_bytes"] == int(15.48 * 2**30)
+  assert tpu_compile.out_of_memory(ValueError("shapes do not match")) is None
