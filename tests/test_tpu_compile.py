@@ -98,7 +98,7 @@ def test_bisection_finds_the_largest_fitting_batch_in_few_compiles(tpu_compile):
     return {"batch": batch, "compiles": True, "peak_bytes": peak}
 
   for slope, refuse_above, most in (
-    (gib // 40, 10**6, 4),
+    (gib // 40, 10**6, 5),
     (gib // 100, 10**6, 5),
     (gib // 40, 200, 10),
   ):
