@@ -391,7 +391,7 @@ def out_of_memory(error: Exception) -> dict[str, Any] | None:
   text = str(error)
   if "RESOURCE_EXHAUSTED" not in text and "Ran out of memory" not in text:
     return None
-  used = re.search(r"Used ([\d.]+)([KMGT]) of ([\d.]+)([KMGT]) hbm", text)
+  used = re.search(r"\(([\d.]+)([KMGT])\) exceeds available HBM \(([\d.]+)([KMGT])\)", text)
   scale = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
   found = {"error": text.strip().splitlines()[0][:300]}
   if used:
