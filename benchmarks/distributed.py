@@ -1,4 +1,4 @@
-"""Data-parallel GSAM: collectives in the compiled step, 8-device throughput, pod estimate.
+"""Data-parallel GSAM: collectives in the compiled step, 8-device throughput, v3-64 figures.
 
 For base / SAM / GSAM, per-device and synchronized perturbation (and GSAM with
 ``perturb_every=5``), each written as a per-device step under
@@ -8,11 +8,10 @@ For base / SAM / GSAM, per-device and synchronized perturbation (and GSAM with
    bytes they move, split into gradient-sized and scalar ones;
 2. times the steps on the 8 simulated CPU devices, interleaved over rounds, and
    reports each contender's median step time as a ratio to the base step;
-3. estimates the per-step cost of GSAM on a TPU v3-64 pod for the paper's
-   ViT-B/32 (global batch 4096, 64 per core), from the FLOPs of the per-device
-   step (XLA's cost analysis of the lowered program) and the gradient bytes
-   all-reduced. Hardware figures are command-line assumptions, printed with the
-   estimate.
+3. prints the TPU compiler's figures for the paper's ViT-B/32 on a TPU v3-64
+   (global batch 4096, 64 per core): peak memory, FLOPs, XLA's time estimate
+   and all-reduce bytes per core, as ``benchmarks/tpu_compile.py`` recorded them
+   in ``results/tpu_compile.json`` (compiled ahead of time, no estimate on paper).
 
     python benchmarks/distributed.py            # full
     python benchmarks/distributed.py --quick    # about a minute on 2 cores
@@ -161,59 +160,50 @@ def measure(args) -> list[dict]:
   return rows
 
 
-def pod_estimate(args) -> dict:
-  """Per-step cost of per-device GSAM for ViT-B/32 on a v3-64 from FLOPs and bytes."""
-  model = ViT(patch=32, width=768, depth=12, heads=12, num_classes=1000)
-  per_core_batch = args.pod_global_batch // args.pod_cores
-  images = jax.ShapeDtypeStruct((per_core_batch, 224, 224, 3), jnp.float32)
-  labels = jax.ShapeDtypeStruct((per_core_batch,), jnp.int32)
-  params = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, 224, 224, 3))))
-  num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
-  flops = {}
-  for name, sharpness in (("base", None), ("gsam", optax_gsam.gsam(0.6, 0.6))):
-    # Single-device program of one core's shard: the FLOPs a core executes.
-    tx, _ = make_step(model, sharpness)
+def pod_figures(path: pathlib.Path) -> dict | None:
+  """The TPU compiler's per-core figures for the v3-64 ViT-B/32 step, from tpu_compile.py's JSON.
 
-    def local_step(p, s, x, y, tx=tx, sharpness=sharpness):
-      loss_fn = lambda q: optax.softmax_cross_entropy_with_integer_labels(
-        model.apply(q, x), y
-      ).mean()
-      loss, grads = jax.value_and_grad(loss_fn)(p)
-      extra = {} if sharpness is None else {"loss_fn": loss_fn, "value": loss}
-      updates, s = tx.update(grads, s, p, **extra)
-      return optax.apply_updates(p, updates), s
-
-    state = jax.eval_shape(tx.init, params)
-    analysis = jax.jit(local_step).lower(params, state, images, labels).cost_analysis()
-    flops[name] = float(analysis["flops"])
-  gradient_bytes = 4 * num_params  # float32 gradients
-  chips = args.pod_cores // 2
-  # A bandwidth-optimal all-reduce moves 2 (n - 1) / n of the buffer per chip.
-  allreduce_s = 2 * (chips - 1) / chips * gradient_bytes / (args.ici_gbytes_per_s * 1e9)
-  compute = {k: v / (args.core_tflops * 1e12 * args.mfu) for k, v in flops.items()}
+  Nothing here is estimated: ``benchmarks/tpu_compile.py`` compiled each step for a
+  described v3-64 and recorded what ``memory_analysis()``, ``cost_analysis()``
+  and the HLO say. Returns None when that JSON is missing.
+  """
+  if not path.exists():
+    return None
+  compiled = json.loads(path.read_text())
+  rows = {(r["dtype"], r["contender"]): r for r in compiled["rows"]}
+  summary = {}
+  for (dtype, name), r in rows.items():
+    if name not in ("adamw", "gsam", "gsam sync"):
+      continue
+    base = rows[(dtype, "adamw")]
+    summary[f"{dtype} {name}"] = {
+      "peak_gib": r["peak_bytes"] / 2**30,
+      "flops_over_base": r["flops"] / base["flops"],
+      "optimal_ms": 1e3 * r["optimal_seconds"],
+      "all_reduce_ops": r["collectives"]["all-reduce"]["count"],
+      "all_reduce_bytes": r["collectives"]["all-reduce"]["bytes"],
+    }
   return {
-    "model": "ViT-B/32, 224x224, 1000 classes",
-    "num_params": num_params,
-    "pod_cores": args.pod_cores,
-    "global_batch": args.pod_global_batch,
-    "per_core_batch": per_core_batch,
-    "flops_per_core_step": flops,
-    "gsam_to_base_flops": flops["gsam"] / flops["base"],
-    "gradient_bytes": gradient_bytes,
-    "assumptions": {
-      "core_peak_tflops": args.core_tflops,
-      "mfu": args.mfu,
-      "allreduce_gbytes_per_s_per_chip": args.ici_gbytes_per_s,
-    },
-    "estimated_ms": {
-      "base_compute": 1e3 * compute["base"],
-      "gsam_compute": 1e3 * compute["gsam"],
-      "gradient_allreduce": 1e3 * allreduce_s,
-      "base_step": 1e3 * (compute["base"] + allreduce_s),
-      "gsam_step": 1e3 * (compute["gsam"] + allreduce_s),
-      "gsam_sync_step": 1e3 * (compute["gsam"] + 2 * allreduce_s),
-    },
+    "source": path.name,
+    "topology": compiled["topology"],
+    "per_core_batch": compiled["per_core_batch"],
+    "param_bytes": next(iter(rows.values()))["param_bytes"],
+    "steps": summary,
   }
+
+
+def format_pod_figures(figures: dict) -> str:
+  lines = [
+    f"{figures['topology']}, ViT-B/32, {figures['per_core_batch']} images per core, compiled "
+    f"by the TPU compiler (results/{figures['source']}); per core:"
+  ]
+  for name, f in figures["steps"].items():
+    lines.append(
+      f"  {name:<15} peak {f['peak_gib']:.2f} GiB, FLOPs {f['flops_over_base']:.3f}x base, "
+      f"XLA estimate {f['optimal_ms']:.1f} ms, {f['all_reduce_ops']} all-reduces of "
+      f"{f['all_reduce_bytes']:,} bytes in all"
+    )
+  return "\n".join(lines)
 
 
 def format_table(rows: list[dict]) -> str:
@@ -242,7 +232,9 @@ def main(argv: list[str] | None = None) -> dict:
   parser.add_argument("--per-device-batch", type=int, default=16)
   parser.add_argument("--rounds", type=int, default=None)
   parser.add_argument("--steps-per-round", type=int, default=None)
-  parser.add_argument("--no-pod-estimate", action="store_true")
+  parser.add_argument(
+    "--no-pod-estimate", action="store_true", help="leave out the compiled v3-64 figures"
+  )
   parser.add_argument(
     "--contenders",
     nargs="+",
@@ -250,12 +242,11 @@ def main(argv: list[str] | None = None) -> dict:
     default=list(contenders()),
     help="which steps to compile and time (base always joins: the ratios need it)",
   )
-  parser.add_argument("--pod-cores", type=int, default=64)
-  parser.add_argument("--pod-global-batch", type=int, default=4096)
-  parser.add_argument("--core-tflops", type=float, default=61.5, help="v3: 123 TFLOP/s per chip")
-  parser.add_argument("--mfu", type=float, default=0.4, help="assumed model FLOPs utilisation")
   parser.add_argument(
-    "--ici-gbytes-per-s", type=float, default=100.0, help="assumed all-reduce bandwidth per chip"
+    "--pod-results",
+    type=pathlib.Path,
+    default=RESULTS / "tpu_compile.json",
+    help="benchmarks/tpu_compile.py's JSON, for the v3-64 figures",
   )
   parser.add_argument("--out", type=pathlib.Path, default=RESULTS / "distributed.json")
   args = parser.parse_args(argv)
@@ -271,15 +262,12 @@ def main(argv: list[str] | None = None) -> dict:
   print(format_table(rows))
   result = {"devices": jax.device_count(), "backend": jax.default_backend(), "rows": rows}
   if not args.no_pod_estimate:
-    estimate = pod_estimate(args)
-    result["pod_estimate"] = estimate
-    ms = estimate["estimated_ms"]
-    print(
-      f"\nv3-{args.pod_cores} estimate, {estimate['model']}, {estimate['per_core_batch']}/core: "
-      f"GSAM/base FLOPs {estimate['gsam_to_base_flops']:.2f}x; base {ms['base_step']:.0f} ms, "
-      f"GSAM {ms['gsam_step']:.0f} ms, GSAM sync {ms['gsam_sync_step']:.0f} ms per step "
-      f"(all-reduce {ms['gradient_allreduce']:.1f} ms; assumptions: {estimate['assumptions']})"
-    )
+    figures = pod_figures(args.pod_results)
+    if figures is None:
+      print(f"\nno {args.pod_results}: run benchmarks/tpu_compile.py for the v3-64 figures")
+    else:
+      result["pod_compiled"] = figures
+      print("\n" + format_pod_figures(figures))
   args.out.parent.mkdir(parents=True, exist_ok=True)
   args.out.write_text(json.dumps(result, indent=2))
   print(f"wrote {args.out}")

@@ -9,6 +9,8 @@ import optax
 import pytest
 from _problems import flatten
 from _problems import unflatten
+from jax.sharding import AxisType
+from jax.sharding import Mesh
 
 import optax_gsam
 
@@ -98,6 +100,28 @@ def test_shard_map_matches_float64_reference(mesh, sync):
     for _ in range(3):
       p, state, _ = step(p, state, (jnp.asarray(x), jnp.asarray(t)))
     np.testing.assert_allclose(flatten(p), run_reference(params, x, t, sync, 3), rtol=1e-10)
+
+
+@pytest.mark.parametrize("sync", [False, True])
+def test_classic_mesh_with_auto_axes_matches_float64_reference(sync):
+  # Mesh(np.array(devices), names) has Auto axes, which jax.reshard refuses (issue 17).
+  classic = Mesh(np.array(jax.devices()[:NUM_DEVICES]), ("data",))
+  assert classic.axis_types == (AxisType.Auto,)
+  with jax.enable_x64(True):
+    params, x, t = make_data(1)
+    tx = make_tx(sync)
+    step = optax_gsam.data_parallel(functools.partial(per_device_step, tx), classic)
+    p, state = jax.tree.map(jnp.asarray, params), tx.init(params)
+    for _ in range(3):
+      p, state, _ = step(p, state, (jnp.asarray(x), jnp.asarray(t)))
+    np.testing.assert_allclose(flatten(p), run_reference(params, x, t, sync, 3), rtol=1e-10)
+    assert p["w"].sharding.is_fully_replicated
+
+
+def test_manual_mesh_axis_is_a_clear_error():
+  manual = Mesh(np.array(jax.devices()[:NUM_DEVICES]), ("data",), axis_types=(AxisType.Manual,))
+  with pytest.raises(ValueError, match="outside any shard_map"):
+    optax_gsam.data_parallel(lambda *a: a, manual)
 
 
 @pytest.mark.parametrize("sync", [False, True])

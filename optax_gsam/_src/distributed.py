@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+from jax.sharding import AxisType
 from jax.sharding import Mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -24,6 +25,26 @@ def _check_argnums(name: str, argnums: Sequence[int]) -> tuple[int, ...]:
   if not argnums or not all(isinstance(i, int) and i >= 0 for i in argnums):
     raise ValueError(f"{name} must be a non-empty sequence of argument indices, got {argnums!r}.")
   return argnums
+
+
+def _placer(mesh: Mesh, axis_name: Hashable) -> Callable[[Any, NamedSharding], Any]:
+  """How to place an input inside ``jit``: by the type of the mesh axis it is split over.
+
+  ``jax.reshard`` takes Explicit axes only (``jax.make_mesh``'s default); a mesh
+  built as ``Mesh(devices, names)`` has Auto axes, which take
+  ``jax.lax.with_sharding_constraint``. A Manual axis means the step is already
+  inside a ``shard_map`` over it.
+  """
+  axis_type = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))[axis_name]
+  if axis_type == AxisType.Manual:
+    raise ValueError(
+      f"The mesh axis {axis_name!r} is Manual: data_parallel is being called inside a "
+      "shard_map over it. Call data_parallel outside any shard_map, on the global mesh "
+      "(e.g. jax.make_mesh((n,), ('data',)))."
+    )
+  if axis_type == AxisType.Explicit:
+    return jax.reshard
+  return jax.lax.with_sharding_constraint
 
 
 def data_parallel(
@@ -59,7 +80,8 @@ def data_parallel(
   Args:
     step_fn: ``step(params, opt_state, batch, ...)`` for one device's shard.
     mesh: a ``jax.sharding.Mesh`` with an axis called ``axis_name``; on a pod,
-      the global mesh over ``jax.devices()``.
+      the global mesh over ``jax.devices()``. Its axes may be Explicit
+      (``jax.make_mesh``'s default) or Auto (``Mesh(np.array(devices), ("data",))``).
     axis_name: the mesh axis the batch is split over.
     batch_argnums: positions of the batch-sharded arguments.
     donate_argnums: forwarded to ``jax.jit`` (e.g. ``(0, 1)`` for params and
@@ -87,11 +109,13 @@ def data_parallel(
     raise ValueError(f"axis_name={axis_name!r} is not an axis of the mesh {mesh.axis_names}.")
   batch_argnums = _check_argnums("batch_argnums", batch_argnums)
 
+  place = _placer(mesh, axis_name)
+
   def wrapped(*args):
     in_specs = tuple(P(axis_name) if i in batch_argnums else P() for i in range(len(args)))
     # Place every input as its spec says, so callers may pass host or unsharded arrays.
     args = tuple(
-      jax.tree.map(lambda x, spec=spec: jax.reshard(x, NamedSharding(mesh, spec)), a)
+      jax.tree.map(lambda x, spec=spec: place(x, NamedSharding(mesh, spec)), a)
       for a, spec in zip(args, in_specs, strict=True)
     )
     sharded = jax.shard_map(
