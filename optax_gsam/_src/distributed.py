@@ -19,6 +19,8 @@ from jax.sharding import Mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from optax_gsam._src.validation import check_positive_int
+
 
 def _check_argnums(name: str, argnums: Sequence[int]) -> tuple[int, ...]:
   argnums = tuple(argnums)
@@ -165,8 +167,7 @@ def emulate_devices(
   Returns:
     A function with ``step_fn``'s signature taking the whole batch.
   """
-  if isinstance(num_devices, bool) or not isinstance(num_devices, int) or num_devices < 1:
-    raise ValueError(f"num_devices must be an int >= 1, got {num_devices!r}.")
+  check_positive_int("num_devices", num_devices)
   batch_argnums = _check_argnums("batch_argnums", batch_argnums)
 
   def split(x):
