@@ -137,8 +137,9 @@ def stable_global_norm(tree: optax.Params) -> jax.Array:
 
   Example:
     >>> import jax.numpy as jnp, optax_gsam
-    >>> float(optax_gsam.stable_global_norm({"a": jnp.full(4, 1e30), "b": jnp.zeros(2)}))
-    2e+30
+    >>> big = {"a": jnp.full(4, 2.0**100), "b": jnp.zeros(2)}  # squares overflow float32
+    >>> float(optax_gsam.stable_global_norm(big)) == 2.0**101
+    True
   """
   return _norm_from(_range_sums(tree, tree), _underflow_floor(tree))
 
