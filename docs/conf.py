@@ -57,8 +57,6 @@ _PUBLIC_ALIASES = ("Adaptive", "AxisName", "DecideFn", "EmbedFn", "EmbeddingLoss
 autodoc_type_aliases = {
   **{f"optax.{name}": f"optax.{name}" for name in _OPTAX_ALIASES},
   **{name: f"optax_gsam.typing.{name}" for name in _PUBLIC_ALIASES},
-  # The source of gsam/sam spells the alias through the private module.
-  "pert.Adaptive": "optax_gsam.typing.Adaptive",
   # Classes whose __module__ is private (jax.Array is jaxlib._jax.Array, optax's transformations
   # live in optax._src.base): kept as the public name the source writes.
   **{
