@@ -13,11 +13,11 @@ from optax_gsam._src.momentum_sam import MomentumSAMState
 from optax_gsam._src.momentum_sam import momentum_sam
 from optax_gsam._src.perturbation import GradientStats
 from optax_gsam._src.perturbation import decompose
-from optax_gsam._src.perturbation import global_norm
 from optax_gsam._src.perturbation import gradient_stats
 from optax_gsam._src.perturbation import orthogonal_component
 from optax_gsam._src.perturbation import perturbation
-from optax_gsam._src.perturbation import reuse_correction
+from optax_gsam._src.perturbation import reuse_direction
+from optax_gsam._src.perturbation import stable_global_norm
 from optax_gsam._src.policies import GradientNormState
 from optax_gsam._src.policies import RandomPolicyState
 from optax_gsam._src.policies import SharpnessPolicy
@@ -49,7 +49,6 @@ __all__ = (
   "every_k_policy",
   "every_step_policy",
   "full_step_due",
-  "global_norm",
   "gradient_norm_policy",
   "gradient_stats",
   "gsam",
@@ -57,11 +56,12 @@ __all__ = (
   "orthogonal_component",
   "perturbation",
   "random_policy",
-  "reuse_correction",
+  "reuse_direction",
   "rho_from_lr",
   "sam",
   "schedule_extrema",
   "siglip_loss",
+  "stable_global_norm",
 )
 
 

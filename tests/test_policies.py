@@ -192,24 +192,41 @@ def count_conds(tx, params, loss_jax, **kwargs):
   return str(jax.make_jaxpr(step)(params, tx.init(params))).count("cond[")
 
 
+def count_loss_traces(tx, params, loss_jax, **kwargs):
+  """How many times tracing one update calls the loss (the clean pass included)."""
+  calls = []
+
+  def counted(p):
+    calls.append(1)
+    return loss_jax(p)
+
+  def step(p, state):
+    return tx.update(jax.grad(counted)(p), state, p, loss_fn=counted, **kwargs)
+
+  jax.make_jaxpr(step)(params, tx.init(params))
+  return len(calls)
+
+
 def test_skipping_zero_rho_is_opt_in_for_the_default_policy():
   params, loss_jax, _, _ = make_problem(seed=24)
   params = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), params)
   late = lambda count: jnp.where(count < 2, 0.0, 0.1)
   default = count_conds(optax_gsam.sam(late), params, loss_jax)
+  assert default == 0  # plain SAM traces no conditional, not even for its norms
   skipping = optax_gsam.sam(late, policy=optax_gsam.every_step_policy(skip_zero_rho=True))
   assert count_conds(skipping, params, loss_jax) == default + 1  # the full/clean choice
   # The static clean branch calls no loss function at all: no perturbed pass is traced.
-  static_clean = count_conds(skipping, params, loss_jax, perturb=False)
-  assert static_clean < default
+  assert count_loss_traces(optax_gsam.sam(late), params, loss_jax) == 2
+  assert count_loss_traces(skipping, params, loss_jax, perturb=False) == 1
   state = skipping.init(params)
   grads = jax.grad(loss_jax)(params)
   updates, state = skipping.update(grads, state, params, loss_fn=loss_jax)
   jax.tree.map(np.testing.assert_array_equal, updates, grads)  # rho_0 == 0: the clean gradient
   assert int(state.full_steps) == 0 and int(state.count) == 1
-  # A static zero rho is decided in Python: no conditional at all.
+  # A static zero rho is decided in Python: no conditional and no perturbed pass at all.
   zero = optax_gsam.sam(0.0, policy=optax_gsam.every_step_policy(skip_zero_rho=True))
-  assert count_conds(zero, params, loss_jax) < default
+  assert count_conds(zero, params, loss_jax) == 0
+  assert count_loss_traces(zero, params, loss_jax) == 1
 
 
 def test_policies_agree_across_devices_and_count_the_same_steps():

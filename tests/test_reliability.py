@@ -72,9 +72,25 @@ BAD_CONSTRUCTION = {
   "gsam_eps_none": (lambda: optax_gsam.gsam(0.1, eps=None), r"eps must be a finite number > 0"),
   "gsam_eps_bool": (lambda: optax_gsam.gsam(0.1, eps=True), r"eps must be a finite number > 0"),
   "gsam_eps_inf": (lambda: optax_gsam.gsam(0.1, eps=float("inf")), r"eps must be a finite"),
-  "gsam_reuse_weight_none": (
-    lambda: optax_gsam.gsam(0.1, perturb_every=2, reuse_weight=None),
+  "gsam_reuse_weight_string": (  # None is the "not given" default since 0.2
+    lambda: optax_gsam.gsam(0.1, perturb_every=2, reuse_weight="0.7"),
     r"reuse_weight must be .*schedule",
+  ),
+  "gsam_rho_concrete_nan_array": (
+    lambda: optax_gsam.gsam(jnp.asarray(jnp.nan)),
+    r"rho must be a finite number >= 0, got Array\(nan",
+  ),
+  "gsam_alpha_concrete_negative_array": (
+    lambda: optax_gsam.gsam(jnp.asarray(0.1), alpha=jnp.asarray(-0.5)),
+    r"alpha must be a finite number >= 0, got Array\(-0.5",
+  ),
+  "gsam_eps_concrete_zero_array": (
+    lambda: optax_gsam.gsam(0.1, eps=jnp.asarray(0.0)),
+    r"eps must be a finite number > 0",
+  ),
+  "momentum_sam_momentum_concrete_array": (
+    lambda: optax_gsam.momentum_sam(0.1, momentum=jnp.asarray(1.0)),
+    r"momentum must be a float in \[0, 1\)",
   ),
   "gsam_perturb_every_float": (
     lambda: optax_gsam.gsam(0.1, perturb_every=2.0),
@@ -399,9 +415,9 @@ def test_non_finite_step_does_not_corrupt_the_state(perturb_every):
     assert int(after_bad.count) == (3 if all_finite(out) else 2), kind
     assert kind == "inf_perturbed_loss" or not all_finite(out)
     skipped = state._replace(count=after_bad.count)
-    assert all_finite((after_bad.count, after_bad.rho, after_bad.correction)), kind
+    assert all_finite((after_bad.count, after_bad.rho, after_bad.stored_direction)), kind
     if perturb_every:
-      assert_trees_equal(after_bad.correction, state.correction)
+      assert_trees_equal(after_bad.stored_direction, state.stored_direction)
     out_bad, next_bad = update(after_bad, *good)
     out_skip, next_skip = update(skipped, *good)
     assert all_finite(out_bad), kind
@@ -568,8 +584,8 @@ def test_checkpoint_round_trip_and_bitwise_resume(name, tmp_path):
     )
   (gsam_state,) = gsam_states(restored_orbax["opt_state"])
   assert int(gsam_state.count) == 4
-  if gsam_state.correction is not None:  # the cheap-mode stored direction came back
-    assert float(optax_gsam.global_norm(gsam_state.correction)) > 0
+  if gsam_state.stored_direction is not None:  # the cheap-mode stored direction came back
+    assert float(optax_gsam.stable_global_norm(gsam_state.stored_direction)) > 0
 
   uninterrupted = (params_t, state_t)
   for _ in range(4):
@@ -661,7 +677,7 @@ def test_bfloat16_and_mixed_trees_keep_dtypes_on_cheap_and_grouped_steps():
     for _ in range(2):  # a full step, then a cheap one
       updates, state = update(state)
       assert jax.tree.map(lambda x: x.dtype, updates) == dtypes
-      assert jax.tree.map(lambda x: x.dtype, state.correction) == dtypes
+      assert jax.tree.map(lambda x: x.dtype, state.stored_direction) == dtypes
       for name in ("rho", "perturbed_loss", "cosine", "clean_grad_norm", "perturbed_grad_norm"):
         assert getattr(state, name).dtype == jnp.float32, name
     grouped = optax_gsam.gsam(0.1, 0.3, num_groups=2)

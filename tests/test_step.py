@@ -3,7 +3,6 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 import optax_gsam
 from optax_gsam._src import step
@@ -62,18 +61,28 @@ def test_decide_folds_zero_rho_into_every_policy_but_the_default():
   assert due is True  # static: no conditional is traced for plain GSAM
 
 
-def test_reduce_replica_averages_what_differs_per_device():
-  result = step.ReplicaResult(
-    direction={"w": jnp.arange(4.0)}, correction=None, diagnostics=jnp.arange(4.0) * 2
-  )
+def test_unusable_schedule_values_zero_the_radius_and_the_reuse_weight():
+  reuse = optax_gsam.every_k_policy(2, reuse_weight=0.5)
+  for value in (jnp.nan, jnp.inf, -0.1):
+    hyper = step.hyperparams_at(lambda c, v=value: v + 0.0 * c, reuse, jnp.int32(1))
+    assert not bool(hyper.rho_ok) and not bool(hyper.rho_positive), value
+    assert float(hyper.safe_rho) == 0.0 and float(hyper.reuse_weight) == 0.0
+    assert bool(step.rho_unusable(hyper))
+  assert step.rho_unusable(step.hyperparams_at(0.0, reuse, jnp.int32(0))) is False
+
+
+def test_reduce_over_axis_averages_what_differs_per_device():
+  diagnostics = step.Diagnostics(*(jnp.arange(4.0) * k for k in range(1, 6)))
+  result = step.BranchResult(gradient={"w": jnp.arange(4.0)}, diagnostics=diagnostics)
   per_device = settings(axis_name="i")
   synchronized = settings(axis_name="i", sync_perturbation=True)
-  out = jax.vmap(lambda r: step.reduce_replica(per_device, r), axis_name="i")(result)
-  np.testing.assert_allclose(out.direction["w"], np.full(4, 1.5))
-  np.testing.assert_allclose(out.diagnostics, np.full(4, 3.0))
-  out = jax.vmap(lambda r: step.reduce_replica(synchronized, r), axis_name="i")(result)
-  np.testing.assert_allclose(out.direction["w"], np.arange(4.0))  # global already
-  np.testing.assert_allclose(out.diagnostics, np.full(4, 3.0))
+  out = jax.vmap(lambda r: step.reduce_over_axis(per_device, r), axis_name="i")(result)
+  np.testing.assert_allclose(out.gradient["w"], np.full(4, 1.5))
+  np.testing.assert_allclose(out.diagnostics.perturbed_loss, np.full(4, 1.5))
+  np.testing.assert_allclose(out.diagnostics.perturbed_grad_norm, np.full(4, 7.5))
+  out = jax.vmap(lambda r: step.reduce_over_axis(synchronized, r), axis_name="i")(result)
+  np.testing.assert_allclose(out.gradient["w"], np.arange(4.0))  # global already
+  np.testing.assert_allclose(out.diagnostics.cosine, np.full(4, 4.5))
 
 
 def test_average_groups_accumulates_in_float32_and_divides():
@@ -83,26 +92,39 @@ def test_average_groups_accumulates_in_float32_and_divides():
   np.testing.assert_allclose(out["w"], np.full(2, 1.5))
 
 
-def test_guard_keeps_the_stored_direction_and_falls_back_to_the_clean_gradient():
-  previous = {"w": jnp.ones(2)}
-  bad = step.Outcome(
-    direction={"w": jnp.array([jnp.nan, 1.0])},
-    correction={"w": jnp.array([jnp.nan, 2.0])},
-    diagnostics=jnp.array([jnp.nan, 0.0, 0.0, 0.0, 0.0]),
-    full=jnp.asarray(True),
+def _bad_full_result():
+  nan_loss = step.Diagnostics(jnp.float32(jnp.nan), *(jnp.float32(0.0),) * 4)
+  return step.BranchResult(
+    gradient={"w": jnp.array([jnp.nan, 1.0])},
+    stored_direction={"w": jnp.array([jnp.nan, 2.0])},
+    diagnostics=nan_loss,
   )
+
+
+def test_fallback_is_decided_on_scalars_and_selects_the_clean_gradient():
   clean = {"w": jnp.array([0.5, -0.5])}
-  out, fell_back = step.guard_nonfinite(settings(), bad, previous, lambda: clean)
-  np.testing.assert_array_equal(out.correction["w"], previous["w"])
-  assert not bool(fell_back) and bool(jnp.isnan(out.direction["w"][0]))
-  out, fell_back = step.guard_nonfinite(
-    settings(on_nonfinite="clean"), bad, previous, lambda: clean
+  good_rho = step.hyperparams_at(0.1, optax_gsam.every_step_policy(), jnp.int32(0))
+  bad = _bad_full_result()
+  assert step.needs_fallback(settings(), good_rho, bad) is False  # "propagate" never falls back
+  flag = step.needs_fallback(settings(on_nonfinite="clean"), good_rho, bad)
+  out = step.fall_back_to_clean(flag, clean, bad)
+  np.testing.assert_array_equal(out.gradient["w"], clean["w"])
+  finite = bad._replace(gradient=clean, diagnostics=bad.diagnostics._replace(perturbed_loss=1.0))
+  assert not bool(step.needs_fallback(settings(on_nonfinite="clean"), good_rho, finite))
+  nan_rho = step.hyperparams_at(lambda c: jnp.nan * c, optax_gsam.every_step_policy(), 0)
+  assert bool(step.needs_fallback(settings(), nan_rho, finite))  # a NaN rho always falls back
+
+
+def test_a_stored_direction_is_kept_only_from_a_finite_step_that_did_not_fall_back():
+  previous = {"w": jnp.ones(2)}
+  bad = _bad_full_result()
+  outcome = step.Outcome(
+    bad.gradient, bad.stored_direction, bad.diagnostics, jnp.asarray(True), jnp.asarray(False)
   )
-  np.testing.assert_array_equal(out.direction["w"], clean["w"])
-  assert bool(fell_back)
-  finite = bad._replace(direction=clean, correction=clean, diagnostics=jnp.zeros(5))
-  out, fell_back = step.guard_nonfinite(
-    settings(on_nonfinite="clean"), finite, previous, lambda: optax.tree.zeros_like(clean)
-  )
-  np.testing.assert_array_equal(out.direction["w"], clean["w"])
-  assert not bool(fell_back)
+  np.testing.assert_array_equal(step.keep_finite_direction(outcome, previous)["w"], previous["w"])
+  good = {"w": jnp.array([3.0, 4.0])}
+  diagnostics = bad.diagnostics._replace(perturbed_loss=jnp.float32(1.0))
+  outcome = outcome._replace(stored_direction=good, diagnostics=diagnostics)
+  np.testing.assert_array_equal(step.keep_finite_direction(outcome, previous)["w"], good["w"])
+  outcome = outcome._replace(fell_back=jnp.asarray(True))
+  np.testing.assert_array_equal(step.keep_finite_direction(outcome, previous)["w"], previous["w"])

@@ -13,15 +13,16 @@ import optax
 
 from optax_gsam._src import perturbation as pert
 from optax_gsam._src import step
+from optax_gsam._src.arrays import compute_dtype
+from optax_gsam._src.schedules import value_at
 from optax_gsam._src.user_functions import scalar_loss
 from optax_gsam._src.user_functions import value_and_grad_from
 from optax_gsam._src.validation import check_axis_name
 from optax_gsam._src.validation import check_data_axis_is_set
 from optax_gsam._src.validation import check_non_negative
 from optax_gsam._src.validation import check_positive
+from optax_gsam._src.validation import check_unit_interval
 from optax_gsam._src.validation import check_update_inputs
-from optax_gsam._src.validation import is_real_number
-from optax_gsam._src.validation import is_scalar_array
 
 
 class MomentumSAMState(NamedTuple):
@@ -33,12 +34,16 @@ class MomentumSAMState(NamedTuple):
     perturbed_loss: the loss at the perturbed weights of the last update.
     momentum: :math:`v_t`, the running sum of past outputs (params-shaped, in
       float32 at least). A non-finite gradient leaves it unchanged.
+    fallback_count: how many updates had a rho schedule value that is not a
+      finite number >= 0; those evaluate the gradient at the unperturbed
+      weights (the clean gradient) and count.
   """
 
   count: jax.Array
   rho: jax.Array
   perturbed_loss: jax.Array
   momentum: optax.Updates
+  fallback_count: jax.Array
 
 
 def momentum_sam(
@@ -106,10 +111,8 @@ def momentum_sam(
     Becker et al., `Momentum-SAM: Sharpness Aware Minimization without
     Computational Overhead <https://arxiv.org/abs/2401.12033>`_, 2024.
   """
-  if not callable(rho):
-    check_non_negative("rho", rho, schedule=True)
-  if not is_scalar_array(momentum) and (not is_real_number(momentum) or not 0 <= momentum < 1):
-    raise ValueError(f"momentum must be a float in [0, 1), got {momentum!r}.")
+  check_non_negative("rho", rho, allow_schedule=True)
+  check_unit_interval("momentum", momentum, include_one=False)
   check_positive("eps", eps)
   check_axis_name(axis_name)
   if not isinstance(check_axis, bool):
@@ -121,7 +124,8 @@ def momentum_sam(
       rho=jnp.zeros([], jnp.float32),
       perturbed_loss=jnp.zeros([], jnp.float32),
       # Accumulated in float32 at least: bfloat16 would lose the sum's small terms.
-      momentum=jax.tree.map(lambda p: jnp.zeros(p.shape, pert.accumulation_dtype(p.dtype)), params),
+      momentum=jax.tree.map(lambda p: jnp.zeros(p.shape, compute_dtype(p.dtype)), params),
+      fallback_count=jnp.zeros([], jnp.int32),
     )
 
   def update_fn(
@@ -138,8 +142,10 @@ def momentum_sam(
     if check_axis:
       check_data_axis_is_set(axis_name)
     grad_fn = value_and_grad_from(loss_fn, value_and_grad_fn)
-    rho_t = step.value_at(rho, state.count)
-    scale = -rho_t / (pert.global_norm(state.momentum) + eps)
+    rho_t = value_at(rho, state.count)
+    rho_ok = jnp.isfinite(rho_t) & (rho_t >= 0)  # else the clean gradient, counted
+    safe_rho = jnp.where(rho_ok, rho_t, jnp.zeros_like(rho_t))
+    scale = -safe_rho / (pert.stable_global_norm(state.momentum) + eps)
     perturbed = jax.tree.map(lambda w, v: w + (scale * v).astype(w.dtype), params, state.momentum)
     value, grads = grad_fn(perturbed)
     loss = scalar_loss(value)
@@ -150,11 +156,13 @@ def momentum_sam(
     momentum_next = jax.tree.map(
       lambda v, g: jnp.where(finite, momentum * v + g.astype(v.dtype), v), state.momentum, grads
     )
+    increment = lambda count, flag: jnp.where(flag, optax.safe_increment(count), count)
     new_state = MomentumSAMState(
-      count=jnp.where(finite, optax.safe_increment(state.count), state.count),
+      count=increment(state.count, finite),
       rho=rho_t.astype(jnp.float32),
       perturbed_loss=loss,
       momentum=momentum_next,
+      fallback_count=increment(state.fallback_count, finite & ~rho_ok),
     )
     return grads, new_state
 

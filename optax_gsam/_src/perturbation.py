@@ -4,13 +4,18 @@ Nothing here holds optimizer state: these functions map gradient and parameter
 pytrees to pytrees and scalars, so the optax transforms, the big_vision adapter
 and the tests of every one of them share one implementation of the formulas.
 
-Numerics. Norms and inner products are accumulated in at least float32 (float64
-stays float64), whatever the leaf dtype, in one pass; only when that pass
-overflowed or underflowed are they recomputed on the pytree rescaled by its
-largest absolute entry. That keeps them exact in relative terms
-for gradients as small as 1e-30 or as large as 1e30 in float32, where a naive
-sum of squares would underflow to 0 or overflow to inf. Every division is
-guarded: a zero gradient produces a zero perturbation and a finite output.
+Numerics. Norms and inner products accumulate in at least float32 (float64
+stays float64). One pass over the leaves forms each sum three times: plainly,
+and with every entry scaled by :math:`2^{-72}` and by :math:`2^{72}`. Scalar
+selects then keep the plain sum unless it overflowed or lost entries to
+underflow, and fall back on the scaled sum that did not. That keeps norms and
+cosines exact in relative terms for float32 gradients from about 1e-30 to 1e30
+with no conditional over the gradient trees, so compiled programs neither
+count a branch that never runs nor hold extra copies of the gradients. Complex
+leaves count as pairs of reals: norms sum :math:`|x|^2` and inner products are
+:math:`\\operatorname{Re}\\sum \\bar a b`, as optax's own complex support
+does. Every division is guarded: a zero gradient produces a zero perturbation
+and a finite output.
 """
 
 from __future__ import annotations
@@ -23,17 +28,16 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from optax_gsam._src.arrays import real_dtype
+from optax_gsam._src.arrays import upcast
+
 Adaptive = Literal["gsam", "asam"] | None
 ADAPTIVE_CHOICES = (None, "gsam", "asam")
 
-
-def accumulation_dtype(dtype: jnp.dtype) -> jnp.dtype:
-  """The dtype reductions run in: float32 at least, float64 when given."""
-  return jnp.promote_types(dtype, jnp.float32)
-
-
-def _upcast(x: jax.Array) -> jax.Array:
-  return jnp.asarray(x).astype(accumulation_dtype(jnp.asarray(x).dtype))
+# Entries are scaled by 2^-72 and 2^72 for the fallback sums: squares of float32
+# values up to the largest finite one stay finite after 2^-72, and those down to
+# about 1e-38 stay normal after 2^72.
+_RANGE_SCALE = 2.0**72
 
 
 def _safe_inverse(x: jax.Array) -> jax.Array:
@@ -42,55 +46,102 @@ def _safe_inverse(x: jax.Array) -> jax.Array:
   return jnp.where(positive, 1.0 / jnp.where(positive, x, 1.0), 0.0)
 
 
-def max_abs(tree: optax.Params) -> jax.Array:
-  """Largest absolute entry of a pytree, in the accumulation dtype (0 if empty)."""
-  maxima = [jnp.max(jnp.abs(_upcast(x))) for x in jax.tree.leaves(tree) if jnp.size(x)]
-  return functools.reduce(jnp.maximum, maxima, jnp.zeros((), jnp.float32))
+class _RangeSums(NamedTuple):
+  """:math:`\\sum_i \\operatorname{Re}(\\bar a_i b_i)` as plain, and with both factors scaled down or up."""
+
+  plain: jax.Array
+  down: jax.Array  # the sum times 2^-144
+  up: jax.Array  # the sum times 2^144
 
 
-def _scaled(tree: optax.Params, scale_inverse: jax.Array) -> optax.Params:
-  return jax.tree.map(lambda x: _upcast(x) * scale_inverse.astype(_upcast(x).dtype), tree)
+def _leaf_sums(a: jax.Array, b: jax.Array) -> _RangeSums:
+  a, b = upcast(a), upcast(b)
+  if jnp.iscomplexobj(a) or jnp.iscomplexobj(b):  # Re(conj(a) b) over (real, imag) pairs.
+    pairs = [(jnp.real(a), jnp.real(b)), (jnp.imag(a), jnp.imag(b))]
+  else:
+    pairs = [(a, b)]
+
+  def total(scale):
+    terms = [jnp.sum((x * scale) * (y * scale)) for x, y in pairs]
+    return functools.reduce(jnp.add, terms)
+
+  return _RangeSums(total(1.0), total(1.0 / _RANGE_SCALE), total(_RANGE_SCALE))
 
 
-def _sum_of_products(a: optax.Params, b: optax.Params) -> jax.Array:
-  """sum_i a_i b_i over a pytree, accumulated in at least float32."""
-  terms = [
-    jnp.sum(_upcast(x) * _upcast(y))
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+def _range_sums(a: optax.Params, b: optax.Params) -> _RangeSums:
+  """:class:`_RangeSums` over two pytrees of one structure, in one pass over their leaves."""
+  zero = jnp.zeros((), jnp.float32)
+  sums = _RangeSums(zero, zero, zero)
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+    sums = jax.tree.map(jnp.add, sums, _leaf_sums(x, y))
+  return sums
+
+
+def _underflow_floor(tree: optax.Params) -> float:
+  """Below this, a plain sum may have lost entries to underflow beyond ``eps`` relative.
+
+  Each of the ``size`` products can lose at most the smallest normal number,
+  so the sum is accurate when it is at least ``size * tiny / eps`` of the
+  narrowest accumulation dtype in the tree.
+  """
+  leaves = jax.tree.leaves(tree)
+  ratios = [
+    jnp.finfo(real_dtype(x.dtype)).tiny / jnp.finfo(real_dtype(x.dtype)).eps for x in leaves
   ]
-  return functools.reduce(jnp.add, terms, jnp.zeros((), jnp.float32))
+  return float(optax.tree.size(tree)) * float(max(ratios, default=0.0))
 
 
-def _is_accurate(sum_of_squares: jax.Array, size: int) -> jax.Array:
-  """Whether a plain sum of squares neither overflowed nor lost entries to underflow.
-
-  Entries whose squares fall below the smallest normal number are lost; they
-  can contribute at most ``size * tiny``, which is below ``eps`` relative when
-  the sum is at least ``size * tiny / eps``.
-  """
-  info = jnp.finfo(sum_of_squares.dtype)
-  return jnp.isfinite(sum_of_squares) & (sum_of_squares >= size * (info.tiny / info.eps))
+def _plain_is_accurate(plain: jax.Array, magnitude: jax.Array, floor: float) -> jax.Array:
+  return jnp.isfinite(plain) & (magnitude >= floor)
 
 
-def _scaled_norm(tree: optax.Params) -> jax.Array:
-  m = max_abs(tree)
-  return m * optax.tree.norm(_scaled(tree, _safe_inverse(m)))
-
-
-def global_norm(tree: optax.Params) -> jax.Array:
-  r"""Overflow- and underflow-safe global L2 norm :math:`\|x\|_2` of a pytree.
-
-  One pass computes the plain sum of squares in at least float32. Only when that
-  overflowed or underflowed (gradients around 1e±19 and beyond in float32) does
-  a ``lax.cond`` take the slow path, :math:`m \, \|x / m\|_2` with
-  :math:`m = \max_i |x_i|`.
-  """
-  sum_of_squares = _sum_of_products(tree, tree)
-  return jax.lax.cond(
-    _is_accurate(sum_of_squares, optax.tree.size(tree)),
-    lambda: jnp.sqrt(sum_of_squares),
-    lambda: _scaled_norm(tree).astype(sum_of_squares.dtype),
+def _norm_from(sums: _RangeSums, floor: float) -> jax.Array:
+  """The square root of a sum of squares, taken from whichever of its three forms is exact."""
+  rescaled = jnp.where(
+    jnp.isfinite(sums.plain),
+    jnp.sqrt(sums.up) / _RANGE_SCALE,  # underflowed
+    jnp.sqrt(sums.down) * _RANGE_SCALE,  # overflowed, or not finite at all
   )
+  return jnp.where(
+    _plain_is_accurate(sums.plain, sums.plain, floor), jnp.sqrt(sums.plain), rescaled
+  )
+
+
+def _cosine_from(dot: _RangeSums, norm_a: jax.Array, norm_b: jax.Array, floor: float) -> jax.Array:
+  """:math:`\\langle a, b\\rangle / (\\|a\\| \\|b\\|)`, 0 when either norm is 0."""
+  inverse_a, inverse_b = _safe_inverse(norm_a), _safe_inverse(norm_b)
+  # The scaled sums carry 2^-144 or 2^144; each norm's inverse absorbs half of it.
+  rescaled = jnp.where(
+    jnp.isfinite(dot.plain),
+    (dot.up * (inverse_a / _RANGE_SCALE)) * (inverse_b / _RANGE_SCALE),
+    (dot.down * (inverse_a * _RANGE_SCALE)) * (inverse_b * _RANGE_SCALE),
+  )
+  accurate = _plain_is_accurate(dot.plain, norm_a * norm_b, floor)
+  return jnp.where(accurate, dot.plain * inverse_a * inverse_b, rescaled)
+
+
+def stable_global_norm(tree: optax.Params) -> jax.Array:
+  r"""Global L2 norm :math:`\|x\|_2` of a pytree, exact across float32's whole range.
+
+  Unlike ``optax.tree.norm``, it accumulates bfloat16 and float16 leaves in
+  float32 and neither overflows nor underflows: one pass forms the sum of
+  squares plainly and with every entry scaled by :math:`2^{\mp 72}`, and a
+  scalar select keeps the form that is exact (see the module notes). Complex
+  leaves contribute :math:`|x|^2`.
+
+  Args:
+    tree: a pytree of arrays.
+
+  Returns:
+    A scalar in the accumulation dtype (float32 at least; float64 for float64
+    leaves); 0 for an empty or all-zero tree.
+
+  Example:
+    >>> import jax.numpy as jnp, optax_gsam
+    >>> float(optax_gsam.stable_global_norm({"a": jnp.full(4, 1e30), "b": jnp.zeros(2)}))
+    2e+30
+  """
+  return _norm_from(_range_sums(tree, tree), _underflow_floor(tree))
 
 
 class GradientStats(NamedTuple):
@@ -108,36 +159,28 @@ class GradientStats(NamedTuple):
   cosine: jax.Array
 
 
+def _pair_stats(a: optax.Updates, b: optax.Updates) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """``(|a|, |b|, cos(a, b))`` from one pass over both trees."""
+  floor = max(_underflow_floor(a), _underflow_floor(b))
+  norm_a = _norm_from(_range_sums(a, a), floor)
+  norm_b = _norm_from(_range_sums(b, b), floor)
+  return norm_a, norm_b, _cosine_from(_range_sums(a, b), norm_a, norm_b, floor)
+
+
 def gradient_stats(clean_grads: optax.Updates, perturbed_grads: optax.Updates) -> GradientStats:
-  """Norms of both gradients and the cosine between them, overflow-safe.
+  """Norms of both gradients and the cosine between them, exact across float32's range.
 
-  The common case is one fused pass (two sums of squares and the inner
-  product); rescaled sums run only when that pass overflowed or underflowed.
+  The two sums of squares and the inner product come from one pass over both
+  trees (see :func:`stable_global_norm` for how overflow is avoided).
+
+  Args:
+    clean_grads: :math:`g_c`.
+    perturbed_grads: :math:`g_p`, with the structure of ``clean_grads``.
+
+  Returns:
+    A :class:`GradientStats`.
   """
-  size = optax.tree.size(clean_grads)
-  clean_sq = _sum_of_products(clean_grads, clean_grads)
-  perturbed_sq = _sum_of_products(perturbed_grads, perturbed_grads)
-  dot = _sum_of_products(clean_grads, perturbed_grads)
-  accurate = _is_accurate(clean_sq, size) & _is_accurate(perturbed_sq, size) & jnp.isfinite(dot)
-
-  def fast():
-    clean_norm, perturbed_norm = jnp.sqrt(clean_sq), jnp.sqrt(perturbed_sq)
-    cosine = dot * _safe_inverse(clean_norm) * _safe_inverse(perturbed_norm)
-    return clean_norm, perturbed_norm, cosine
-
-  def rescaled():
-    clean_max, perturbed_max = max_abs(clean_grads), max_abs(perturbed_grads)
-    clean_unit = _scaled(clean_grads, _safe_inverse(clean_max))
-    perturbed_unit = _scaled(perturbed_grads, _safe_inverse(perturbed_max))
-    clean_unit_norm = optax.tree.norm(clean_unit)
-    perturbed_unit_norm = optax.tree.norm(perturbed_unit)
-    cosine = optax.tree.vdot(clean_unit, perturbed_unit) * _safe_inverse(
-      clean_unit_norm * perturbed_unit_norm
-    )
-    stats = (clean_max * clean_unit_norm, perturbed_max * perturbed_unit_norm, cosine)
-    return tuple(x.astype(dot.dtype) for x in stats)
-
-  return GradientStats(*jax.lax.cond(accurate, fast, rescaled))
+  return GradientStats(*_pair_stats(clean_grads, perturbed_grads))
 
 
 def perturbation(
@@ -167,24 +210,29 @@ def perturbation(
 
   Returns:
     :math:`\epsilon`, with the dtype of each ``params`` leaf.
+
+  Example:
+    >>> import jax.numpy as jnp, optax_gsam
+    >>> optax_gsam.perturbation(jnp.array([3.0, 4.0]), jnp.zeros(2), 0.5)
+    Array([0.3, 0.4], dtype=float32)
   """
   if adaptive not in ADAPTIVE_CHOICES:
     raise ValueError(f"adaptive must be one of {ADAPTIVE_CHOICES}, got {adaptive!r}.")
   if adaptive == "asam":
-    direction = jax.tree.map(lambda g, w: _upcast(g) * jnp.abs(_upcast(w)), grads, params)
-    weight = jax.tree.map(lambda w: jnp.abs(_upcast(w)), params)
+    direction = jax.tree.map(lambda g, w: upcast(g) * jnp.abs(upcast(w)), grads, params)
+    weight = jax.tree.map(lambda w: jnp.abs(upcast(w)), params)
   elif adaptive == "gsam":
     direction = grads
-    weight = jax.tree.map(lambda w: jnp.abs(_upcast(w)), params)
+    weight = jax.tree.map(lambda w: jnp.abs(upcast(w)), params)
   else:
     direction = grads
     weight = None
-  scale = rho / (global_norm(direction) + eps)
+  scale = rho / (stable_global_norm(direction) + eps)
   if weight is None:
-    return jax.tree.map(lambda g, w: (_upcast(g) * scale).astype(w.dtype), grads, params)
+    return jax.tree.map(lambda g, w: (upcast(g) * scale).astype(w.dtype), grads, params)
   # With "asam", direction = |w| g, so |w| * direction = w^2 g.
   return jax.tree.map(
-    lambda d, a, w: (_upcast(d) * a * scale).astype(w.dtype), direction, weight, params
+    lambda d, a, w: (upcast(d) * a * scale).astype(w.dtype), direction, weight, params
   )
 
 
@@ -228,24 +276,28 @@ def decompose(
 
   Returns:
     :math:`g`, with the dtype of each ``clean_grads`` leaf.
+
+  Example:
+    >>> import jax.numpy as jnp, optax_gsam
+    >>> g = optax_gsam.decompose(jnp.array([1.0, 1.0]), jnp.array([2.0, 0.0]), 0.5)
+    >>> [round(float(x), 6) for x in g]  # g_p - 0.5 * (the part of g_c orthogonal to g_p)
+    [2.0, -0.5]
   """
   if stats is None:
     stats = gradient_stats(clean_grads, perturbed_grads)
   if minimize_fp:
     base, other = perturbed_grads, clean_grads
     coefficient = stats.clean_norm * stats.cosine / (stats.perturbed_norm + eps)
-
-    def combine(b, o):
-      return _upcast(b) - alpha * (_upcast(o) - coefficient * _upcast(b))
-
   else:
     base, other = clean_grads, perturbed_grads
     coefficient = stats.perturbed_norm * stats.cosine / (stats.clean_norm + eps)
+  sign = -1.0 if minimize_fp else 1.0
 
-    def combine(b, o):
-      return _upcast(b) + alpha * (_upcast(o) - coefficient * _upcast(b))
+  def combine(b, o, like):
+    b = upcast(b)
+    return (b + sign * alpha * (upcast(o) - coefficient * b)).astype(like.dtype)
 
-  return jax.tree.map(lambda b, o, ref: combine(b, o).astype(ref.dtype), base, other, clean_grads)
+  return jax.tree.map(combine, base, other, clean_grads)
 
 
 def orthogonal_component(
@@ -258,34 +310,45 @@ def orthogonal_component(
     g^{\perp} = g - \frac{\langle g, r\rangle}{\|r\|(\|r\| + \varepsilon)} r
 
   Returns ``grads`` unchanged when ``reference`` is zero.
+
+  Example:
+    >>> import jax.numpy as jnp, optax_gsam
+    >>> optax_gsam.orthogonal_component(jnp.array([1.0, 2.0]), jnp.array([1.0, 0.0]))
+    Array([0., 2.], dtype=float32)
   """
-  stats = gradient_stats(reference, grads)
-  coefficient = stats.perturbed_norm * stats.cosine / (stats.clean_norm + eps)
+  reference_norm, grads_norm, cosine = _pair_stats(reference, grads)
+  coefficient = grads_norm * cosine / (reference_norm + eps)
   return jax.tree.map(
-    lambda g, r: (_upcast(g) - coefficient * _upcast(r)).astype(g.dtype), grads, reference
+    lambda g, r: (upcast(g) - coefficient * upcast(r)).astype(g.dtype), grads, reference
   )
 
 
-def reuse_correction(
+def reuse_direction(
   clean_grads: optax.Updates,
-  correction: optax.Updates,
+  stored_direction: optax.Updates,
   weight: jax.Array | float,
   *,
   eps: float = 1e-12,
 ) -> optax.Updates:
-  r"""LookSAM's cheap step: the clean gradient plus a stored orthogonal direction.
+  r"""LookSAM's cheap step: the clean gradient plus the stored direction, rescaled.
 
   .. math::
 
     g = g_c + \lambda \frac{\|g_c\|}{\|v\| + \varepsilon} v
 
-  where :math:`v` is the component, orthogonal to the clean gradient, of the
-  last fully computed (G)SAM gradient and :math:`\lambda` the reuse weight.
+  where the stored direction :math:`v` is the component, orthogonal to its
+  clean gradient, of the last fully computed (G)SAM gradient, and
+  :math:`\lambda` is the reuse weight.
 
   Returns:
     :math:`g`, with the dtype of each ``clean_grads`` leaf.
+
+  Example:
+    >>> import jax.numpy as jnp, optax_gsam
+    >>> optax_gsam.reuse_direction(jnp.array([3.0, 0.0]), jnp.array([0.0, 2.0]), 0.5)
+    Array([3. , 1.5], dtype=float32)
   """
-  scale = weight * global_norm(clean_grads) / (global_norm(correction) + eps)
+  scale = weight * stable_global_norm(clean_grads) / (stable_global_norm(stored_direction) + eps)
   return jax.tree.map(
-    lambda g, v: (_upcast(g) + scale * _upcast(v)).astype(g.dtype), clean_grads, correction
+    lambda g, v: (upcast(g) + scale * upcast(v)).astype(g.dtype), clean_grads, stored_direction
   )

@@ -17,7 +17,6 @@ nothing), so "SAM only late in training" is a rho schedule that starts at 0.
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Callable
 from typing import Any
 from typing import NamedTuple
@@ -26,9 +25,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from optax_gsam._src.schedules import value_at
 from optax_gsam._src.validation import check_non_negative
+from optax_gsam._src.validation import check_positive_int
+from optax_gsam._src.validation import check_unit_interval
 from optax_gsam._src.validation import is_real_number
-from optax_gsam._src.validation import is_scalar_array
 
 CHEAP_CHOICES = ("reuse", "clean")
 DEFAULT_REUSE_WEIGHT = 0.7
@@ -63,7 +64,7 @@ class SharpnessPolicy(NamedTuple):
   init: Callable[[], Any]
   decide: DecideFn
   cheap: str = "clean"
-  reuse_weight: optax.ScalarOrSchedule = 0.7
+  reuse_weight: optax.ScalarOrSchedule = DEFAULT_REUSE_WEIGHT
   uses_grad_norm: bool = False
   skip_zero_rho: bool = True
 
@@ -85,7 +86,13 @@ class GradientNormState(NamedTuple):
 
 
 class RandomPolicyState(NamedTuple):
-  """The PRNG key of :func:`random_policy`, split once per decision."""
+  """The PRNG key of :func:`random_policy`, split once per decision.
+
+  Attributes:
+    key: the key's raw data (``jax.random.key_data``, uint32), so that the
+      state serializes with ``flax.serialization`` and orbax alike; the policy
+      rewraps it with the key's implementation.
+  """
 
   key: jax.Array
 
@@ -93,12 +100,7 @@ class RandomPolicyState(NamedTuple):
 def _check_cheap(cheap: str, reuse_weight) -> None:
   if cheap not in CHEAP_CHOICES:
     raise ValueError(f"cheap must be one of {CHEAP_CHOICES}, got {cheap!r}.")
-  if not callable(reuse_weight):
-    check_non_negative("reuse_weight", reuse_weight, schedule=True)
-
-
-def _value_at(value: optax.ScalarOrSchedule, count: jax.Array) -> jax.Array:
-  return jnp.asarray(value(count) if callable(value) else value)
+  check_non_negative("reuse_weight", reuse_weight, allow_schedule=True)
 
 
 def every_step_policy(*, skip_zero_rho: bool = False) -> SharpnessPolicy:
@@ -138,7 +140,7 @@ def every_step_policy(*, skip_zero_rho: bool = False) -> SharpnessPolicy:
 
 
 def every_k_policy(
-  k: int, *, reuse_weight: optax.ScalarOrSchedule = 0.7, cheap: str = "reuse"
+  k: int, *, reuse_weight: optax.ScalarOrSchedule = DEFAULT_REUSE_WEIGHT, cheap: str = "reuse"
 ) -> SharpnessPolicy:
   r"""The full step every ``k`` steps (LookSAM).
 
@@ -168,8 +170,7 @@ def every_k_policy(
     Liu et al., `Towards Efficient and Scalable Sharpness-Aware Minimization
     <https://arxiv.org/abs/2203.02714>`_, CVPR 2022.
   """
-  if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1:
-    raise ValueError(f"k must be an int >= 1, got {k!r}.")
+  check_positive_int("k", k)
   _check_cheap(cheap, reuse_weight)
   return SharpnessPolicy(
     name=f"every_{k}",
@@ -185,7 +186,7 @@ def gradient_norm_policy(
   *,
   decay: float = 0.9,
   cheap: str = "clean",
-  reuse_weight: optax.ScalarOrSchedule = 0.7,
+  reuse_weight: optax.ScalarOrSchedule = DEFAULT_REUSE_WEIGHT,
 ) -> SharpnessPolicy:
   r"""The full step where the clean gradient is large for its recent history (AE-SAM).
 
@@ -224,8 +225,7 @@ def gradient_norm_policy(
   """
   if not callable(threshold) and not is_real_number(threshold):
     raise ValueError(f"threshold must be a float or a schedule, got {threshold!r}.")
-  if not is_real_number(decay) or not 0 <= decay < 1:
-    raise ValueError(f"decay must be a float in [0, 1), got {decay!r}.")
+  check_unit_interval("decay", decay, include_one=False)
   _check_cheap(cheap, reuse_weight)
 
   def init():
@@ -236,7 +236,7 @@ def gradient_norm_policy(
     signal = grad_sq_norm.astype(jnp.float32)
     mean = decay * state.mean + (1 - decay) * signal
     variance = decay * state.variance + (1 - decay) * (signal - mean) ** 2
-    due = signal >= mean + _value_at(threshold, count) * jnp.sqrt(variance)
+    due = signal >= mean + value_at(threshold, count) * jnp.sqrt(variance)
     finite = jnp.isfinite(signal)
     new_state = GradientNormState(
       mean=jnp.where(finite, mean, state.mean), variance=jnp.where(finite, variance, state.variance)
@@ -258,7 +258,7 @@ def random_policy(
   *,
   key: jax.Array,
   cheap: str = "clean",
-  reuse_weight: optax.ScalarOrSchedule = 0.7,
+  reuse_weight: optax.ScalarOrSchedule = DEFAULT_REUSE_WEIGHT,
 ) -> SharpnessPolicy:
   r"""The full step with probability :math:`p_t` (randomized sharpness-aware training).
 
@@ -286,22 +286,24 @@ def random_policy(
     Computational Efficiency in Deep Learning <https://arxiv.org/abs/2203.09962>`_, 2022.
   """
   if not callable(probability):
-    if not is_real_number(probability):
-      raise ValueError(f"probability must be a float in [0, 1] or a schedule, got {probability!r}.")
-    if not 0 <= probability <= 1:
-      raise ValueError(f"probability must be in [0, 1], got {probability!r}.")
+    check_unit_interval("probability", probability, include_one=True)
   if not isinstance(key, jax.Array):
     raise ValueError(f"key must be a jax PRNG key (jax.random.key(seed)), got {key!r}.")
   _check_cheap(cheap, reuse_weight)
 
+  typed = jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
+  impl = jax.random.key_impl(key) if typed else None
+  raw_key = jax.random.key_data(key) if typed else key
+
   def decide(state, count, grad_sq_norm):
-    key, draw = jax.random.split(state.key)
-    due = jax.random.uniform(draw) < _value_at(probability, count)
-    return due, RandomPolicyState(key=key)
+    current = jax.random.wrap_key_data(state.key, impl=impl) if typed else state.key
+    current, draw = jax.random.split(current)
+    due = jax.random.uniform(draw) < value_at(probability, count)
+    return due, RandomPolicyState(key=jax.random.key_data(current) if typed else current)
 
   return SharpnessPolicy(
     name="random",
-    init=lambda: RandomPolicyState(key=jnp.copy(key)),  # a copy: the state may be donated
+    init=lambda: RandomPolicyState(key=jnp.copy(raw_key)),  # a copy: the state may be donated
     decide=decide,
     cheap=cheap,
     reuse_weight=reuse_weight,
@@ -309,25 +311,27 @@ def random_policy(
 
 
 def policy_from_arguments(
-  policy: SharpnessPolicy | None, perturb_every: int | None, reuse_weight
+  policy: SharpnessPolicy | None,
+  perturb_every: int | None,
+  reuse_weight: optax.ScalarOrSchedule | None,
 ) -> SharpnessPolicy:
-  """The policy of gsam's arguments: ``policy=``, or the legacy ``perturb_every``/``reuse_weight``."""
-  if not callable(reuse_weight):
-    check_non_negative("reuse_weight", reuse_weight, schedule=True)
+  """The policy of gsam's arguments: ``policy=``, or the shorthand ``perturb_every``/``reuse_weight``.
+
+  ``reuse_weight=None`` means not given (0.7 for ``perturb_every``).
+  """
+  if reuse_weight is not None:
+    check_non_negative("reuse_weight", reuse_weight, allow_schedule=True)
   if policy is None:
     if perturb_every is not None and perturb_every > 1:
-      return every_k_policy(perturb_every, reuse_weight=reuse_weight)
+      weight = DEFAULT_REUSE_WEIGHT if reuse_weight is None else reuse_weight
+      return every_k_policy(perturb_every, reuse_weight=weight)
     return every_step_policy()
   if not isinstance(policy, SharpnessPolicy):
     raise ValueError(
       "policy must be a SharpnessPolicy (e.g. optax_gsam.every_k_policy(5)), "
       f"got {type(policy).__name__}."
     )
-  # optax.inject_hyperparams turns the default into an array, which cannot be compared here.
-  default_weight = is_scalar_array(reuse_weight) or (
-    isinstance(reuse_weight, float) and reuse_weight == DEFAULT_REUSE_WEIGHT
-  )
-  if perturb_every is not None or not default_weight:
+  if perturb_every is not None or reuse_weight is not None:
     raise ValueError(
       "Pass either policy= or perturb_every=/reuse_weight=, not both: "
       "policy=optax_gsam.every_k_policy(k, reuse_weight=w) is perturb_every=k, reuse_weight=w."

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import numbers
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
 from optax_gsam._src.validation import check_non_negative
+from optax_gsam._src.validation import check_positive_int
 from optax_gsam._src.validation import is_real_number
 
 
@@ -97,15 +96,11 @@ def rho_from_lr(
     raise ValueError(f"rho_min ({rho_min}) must be <= rho_max ({rho_max}).")
   if not isinstance(clamp, bool):
     raise ValueError(f"clamp must be a bool, got {clamp!r}.")
-  if not callable(lr_schedule):
-    check_non_negative("lr_schedule", lr_schedule, schedule=True)
+  check_non_negative("lr_schedule", lr_schedule, allow_schedule=True)
   for name, value in (("lr_max", lr_max), ("lr_min", lr_min)):
     if value is not None:
       check_non_negative(name, value)
-  if num_steps is not None and not (
-    isinstance(num_steps, numbers.Integral) and not isinstance(num_steps, bool) and num_steps > 0
-  ):
-    raise ValueError(f"num_steps must be a positive int, got {num_steps!r}.")
+  check_positive_int("num_steps", num_steps, allow_none=True)
 
   if lr_max is None or lr_min is None:
     if callable(lr_schedule) and num_steps is None:
@@ -132,3 +127,8 @@ def rho_from_lr(
     return jnp.clip(rho, rho_min, rho_max) if clamp else rho
 
   return schedule
+
+
+def value_at(hyperparameter: optax.ScalarOrSchedule, count: jax.Array) -> jax.Array:
+  """A float-or-schedule hyperparameter at step ``count``, as an array."""
+  return jnp.asarray(hyperparameter(count) if callable(hyperparameter) else hyperparameter)

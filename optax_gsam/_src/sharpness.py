@@ -8,9 +8,11 @@ state.
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Callable
 from collections.abc import Hashable
 from typing import Any
+from typing import Literal
 from typing import NamedTuple
 
 import jax
@@ -19,7 +21,6 @@ import optax
 
 from optax_gsam._src import perturbation as pert
 from optax_gsam._src import step
-from optax_gsam._src.policies import DEFAULT_REUSE_WEIGHT
 from optax_gsam._src.policies import SharpnessPolicy
 from optax_gsam._src.policies import policy_from_arguments
 from optax_gsam._src.user_functions import group_value_and_grad
@@ -29,10 +30,11 @@ from optax_gsam._src.validation import check_axis_name
 from optax_gsam._src.validation import check_data_axis_is_set
 from optax_gsam._src.validation import check_non_negative
 from optax_gsam._src.validation import check_positive
-from optax_gsam._src.validation import check_static_count
+from optax_gsam._src.validation import check_positive_int
 from optax_gsam._src.validation import check_update_inputs
 
 ON_NONFINITE_CHOICES = ("propagate", "clean")
+UPDATE_KEYWORDS = ("loss_fn", "value_and_grad_fn", "value", "perturb")
 
 
 class GSAMState(NamedTuple):
@@ -65,10 +67,12 @@ class GSAMState(NamedTuple):
       instead. Never reset.
     policy_state: the state of the cheap-step policy (see
       :class:`optax_gsam.SharpnessPolicy`).
-    correction: for policies with ``cheap="reuse"`` (e.g. ``perturb_every >
-      1``), the stored direction :math:`v` reused on cheap steps
-      (params-shaped); ``None`` otherwise. A step whose gradients or perturbed
-      loss are not finite keeps the previous one.
+    stored_direction: for policies with ``cheap="reuse"`` (e.g.
+      ``perturb_every > 1``), the stored direction :math:`v` reused on cheap
+      steps (params-shaped): the part of the last full step's output
+      orthogonal to its clean gradient. ``None`` otherwise. A step whose
+      gradients or perturbed loss are not finite, or that fell back to the
+      clean gradient, keeps the previous one.
   """
 
   count: jax.Array
@@ -81,92 +85,16 @@ class GSAMState(NamedTuple):
   full_steps: jax.Array
   fallback_count: jax.Array
   policy_state: Any = optax.EmptyState()
-  correction: optax.Updates | None = None
+  stored_direction: optax.Updates | None = None
 
-
-def _previous_diagnostics(state: GSAMState) -> jax.Array:
-  return jnp.stack(
-    [
-      state.perturbed_loss,
-      state.surrogate_gap,
-      state.cosine,
-      state.clean_grad_norm,
-      state.perturbed_grad_norm,
-    ]
-  )
-
-
-def _outcome(
-  result: step.ReplicaResult, state: GSAMState, full: bool, updates: optax.Updates
-) -> step.Outcome:
-  """A reduced branch result, with what a cheap step leaves as it was taken from ``state``."""
-  correction = state.correction
-  if result.correction is not None:
-    correction = optax.tree.cast_like(result.correction, state.correction)
-  diagnostics = result.diagnostics
-  if diagnostics is None:
-    diagnostics = _previous_diagnostics(state)
-  direction = optax.tree.cast_like(result.direction, updates)
-  return step.Outcome(direction, correction, diagnostics, jnp.asarray(full))
-
-
-def _replicated_update(settings, rho_hyper, updates, state, params, grad_fn, value, perturb):
-  """Single device, or one replica under ``axis_name``."""
-  clean_grads = step.pmean(updates, settings.axis_name) if settings.synchronized else updates
-  clean_loss = scalar_loss(value) if value is not None else None
-  signal_axis = settings.axis_name if settings.per_device else None
-  due, policy_state = step.decide(
-    settings.policy, state.policy_state, state.count, rho_hyper, clean_grads, signal_axis
-  )
-
-  def full():
-    result = step.full_replica(settings, clean_grads, params, grad_fn, rho_hyper.rho, clean_loss)
-    return _outcome(step.reduce_replica(settings, result), state, True, updates)
-
-  def cheap():
-    result = step.cheap_replica(settings, clean_grads, state.correction, rho_hyper.reuse_weight)
-    return _outcome(step.reduce_replica(settings, result), state, False, updates)
-
-  if settings.per_device:
-    clean_average = lambda: step.pmean(updates, settings.axis_name)
-  else:
-    clean_average = lambda: clean_grads
-  return step.choose(due, full, cheap, perturb), policy_state, clean_average
-
-
-def _grouped_update(settings, rho_hyper, updates, state, params, group_fn, perturb):
-  """``num_groups`` emulation: a scan over groups, each perturbed with its own gradient."""
-  due, policy_state = step.decide(
-    settings.policy, state.policy_state, state.count, rho_hyper, updates
-  )
-
-  def clean_of(group):
-    value, grads = group_fn(group)(params)
-    return scalar_loss(value), optax.tree.cast_like(grads, updates)
-
-  def full_of(group):
-    clean_loss, clean_grads = clean_of(group)
-    return step.full_replica(
-      settings, clean_grads, params, group_fn(group), rho_hyper.rho, clean_loss
-    )
-
-  def cheap_of(group):
-    clean_grads = clean_of(group)[1]
-    return step.cheap_replica(settings, clean_grads, state.correction, rho_hyper.reuse_weight)
-
-  groups = settings.num_groups
-  full = lambda: _outcome(step.average_groups(groups, full_of), state, True, updates)
-  cheap = lambda: _outcome(step.average_groups(groups, cheap_of), state, False, updates)
-  clean_average = lambda: step.average_groups(groups, lambda group: clean_of(group)[1])
-  return step.choose(due, full, cheap, perturb), policy_state, clean_average
+  @property
+  def diagnostics(self) -> step.Diagnostics:
+    """The five diagnostics of the last full step, as one NamedTuple."""
+    return step.Diagnostics(*(getattr(self, name) for name in step.Diagnostics._fields))
 
 
 def _next_state(
-  state: GSAMState,
-  rho_t: jax.Array,
-  outcome: step.Outcome,
-  policy_state: Any,
-  fell_back: jax.Array,
+  state: GSAMState, hyper: step.Hyperparams, outcome: step.Outcome, policy_state: Any
 ) -> GSAMState:
   """Stage 6: a step whose output is not finite does not count.
 
@@ -174,23 +102,30 @@ def _next_state(
   then stay aligned with the optimizers after this one.
   """
   increment = lambda count, flag: jnp.where(flag, optax.safe_increment(count), count)
-  diagnostics = outcome.diagnostics
-  counts = step.all_finite(outcome.direction)
+  counts = step.all_finite(outcome.gradient)
+  perturbed_loss_ok = jnp.isfinite(outcome.diagnostics.perturbed_loss)
   return GSAMState(
     count=increment(state.count, counts),
-    rho=rho_t.astype(jnp.float32),
-    perturbed_loss=diagnostics[0],
-    surrogate_gap=diagnostics[1],
-    cosine=diagnostics[2],
-    clean_grad_norm=diagnostics[3],
-    perturbed_grad_norm=diagnostics[4],
+    rho=hyper.rho.astype(jnp.float32),
+    **outcome.diagnostics._asdict(),
     full_steps=increment(
-      state.full_steps, outcome.full & counts & jnp.isfinite(diagnostics[0]) & ~fell_back
+      state.full_steps, outcome.full & counts & perturbed_loss_ok & ~outcome.fell_back
     ),
-    fallback_count=increment(state.fallback_count, fell_back),
+    fallback_count=increment(state.fallback_count, outcome.fell_back),
     policy_state=policy_state,
-    correction=outcome.correction,
+    stored_direction=step.keep_finite_direction(outcome, state.stored_direction),
   )
+
+
+def _check_extra_args(extra_args: dict[str, Any]) -> None:
+  """A misspelt keyword of ``update`` (``valu=``) must not be dropped in silence."""
+  for name in extra_args:
+    close = difflib.get_close_matches(name, UPDATE_KEYWORDS, n=1, cutoff=0.75)
+    if close:
+      raise TypeError(
+        f"update() got the unknown argument {name!r}; did you mean {close[0]!r}? gsam/sam "
+        f"take {', '.join(UPDATE_KEYWORDS)} (other arguments go to the rest of the chain)."
+      )
 
 
 def _check_perturb(perturb, policy: SharpnessPolicy) -> None:
@@ -244,13 +179,13 @@ def gsam(
   alpha: float | jax.Array = 0.0,
   *,
   eps: float = 1e-12,
-  adaptive: pert.Adaptive = None,
+  adaptive: Literal["gsam", "asam"] | None = None,
   minimize_fp: bool = True,
   sync_perturbation: bool = False,
   axis_name: Hashable | tuple[Hashable, ...] | None = None,
   num_groups: int | None = None,
   perturb_every: int | None = None,
-  reuse_weight: optax.ScalarOrSchedule = 0.7,
+  reuse_weight: optax.ScalarOrSchedule | None = None,
   policy: SharpnessPolicy | None = None,
   on_nonfinite: str = "propagate",
   check_axis: bool = True,
@@ -343,6 +278,12 @@ def gsam(
   step; ``GSAMState.fallback_count`` counts those steps. Either way such a
   step never replaces the stored direction.
 
+  **Unusable rho values.** A rho schedule (or injected rho) whose value at a
+  step is NaN, infinite or negative makes that step output the clean gradient,
+  whatever ``on_nonfinite`` says; the step counts (so the schedule moves on),
+  ``GSAMState.fallback_count`` counts it and ``GSAMState.rho`` shows the
+  value. A float rho is checked when the transform is built.
+
   Under ``optax.inject_hyperparams(optax_gsam.gsam)``, rho, alpha, eps and
   reuse_weight become injectable; static options (``perturb_every``,
   ``num_groups``) go in ``static_args``. Injected values take the params' dtype
@@ -367,7 +308,7 @@ def gsam(
     perturb_every: shorthand for ``policy=every_k_policy(perturb_every,
       reuse_weight=reuse_weight)`` (``None`` or 1: every step). A static int.
     reuse_weight: :math:`\lambda` of ``perturb_every``, a float >= 0 or a
-      schedule.
+      schedule; ``None`` (not given) is 0.7.
     policy: when to take the full step (see above); ``None`` is
       :func:`optax_gsam.every_step_policy`. Not together with
       ``perturb_every``/``reuse_weight``.
@@ -410,24 +351,23 @@ def gsam(
     Liu et al., `Towards Efficient and Scalable Sharpness-Aware Minimization
     <https://arxiv.org/abs/2203.02714>`_, CVPR 2022.
   """
-  if not callable(rho):
-    check_non_negative("rho", rho, schedule=True)
-  check_static_count("num_groups", num_groups, 1)
-  check_static_count("perturb_every", perturb_every, 1)
+  check_non_negative("rho", rho, allow_schedule=True)
+  check_positive_int("num_groups", num_groups, allow_none=True)
+  check_positive_int("perturb_every", perturb_every, allow_none=True)
   if not isinstance(check_axis, bool):
     raise ValueError(f"check_axis must be a bool, got {check_axis!r}.")
   policy = policy_from_arguments(policy, perturb_every, reuse_weight)
   settings = _validated(
     step.Settings(
-      alpha,
-      eps,
-      adaptive,
-      minimize_fp,
-      sync_perturbation,
-      axis_name,
-      num_groups,
-      policy,
-      on_nonfinite,
+      alpha=alpha,
+      eps=eps,
+      adaptive=adaptive,
+      minimize_fp=minimize_fp,
+      sync_perturbation=sync_perturbation,
+      axis_name=axis_name,
+      num_groups=num_groups,
+      policy=policy,
+      on_nonfinite=on_nonfinite,
     )
   )
 
@@ -438,15 +378,11 @@ def gsam(
     return GSAMState(
       count=zero_count(),
       rho=zero(),
-      perturbed_loss=zero(),
-      surrogate_gap=zero(),
-      cosine=zero(),
-      clean_grad_norm=zero(),
-      perturbed_grad_norm=zero(),
+      **{name: zero() for name in step.Diagnostics._fields},
       full_steps=zero_count(),
       fallback_count=zero_count(),
       policy_state=policy.init(),
-      correction=optax.tree.zeros_like(params) if policy.stores_direction else None,
+      stored_direction=optax.tree.zeros_like(params) if policy.stores_direction else None,
     )
 
   def update_fn(
@@ -460,24 +396,26 @@ def gsam(
     perturb: bool | None = None,
     **extra_args: Any,
   ) -> tuple[optax.Updates, GSAMState]:
-    del extra_args
+    _check_extra_args(extra_args)
     _check_perturb(perturb, policy)
-    check_update_inputs(updates, params, state.correction)
+    check_update_inputs(updates, params, state.stored_direction)
     if check_axis:
       check_data_axis_is_set(axis_name)
-    rho_hyper = step.hyperparams_at(rho, policy, state.count)
+    hyper = step.hyperparams_at(rho, policy, state.count)
+    policy_inputs = (state.policy_state, state.count)
+    previous = (state.stored_direction, state.diagnostics)
     if num_groups is None:
       grad_fn = value_and_grad_from(loss_fn, value_and_grad_fn)
-      outcome, policy_state, clean_average = _replicated_update(
-        settings, rho_hyper, updates, state, params, grad_fn, value, perturb
+      clean_loss = scalar_loss(value) if value is not None else None
+      outcome, policy_state = step.replicated_update(
+        settings, hyper, policy_inputs, previous, updates, params, grad_fn, clean_loss, perturb
       )
     else:
       group_fn = group_value_and_grad(loss_fn, value_and_grad_fn)
-      outcome, policy_state, clean_average = _grouped_update(
-        settings, rho_hyper, updates, state, params, group_fn, perturb
+      outcome, policy_state = step.grouped_update(
+        settings, hyper, policy_inputs, previous, updates, params, group_fn, perturb
       )
-    outcome, fell_back = step.guard_nonfinite(settings, outcome, state.correction, clean_average)
-    return outcome.direction, _next_state(state, rho_hyper.rho, outcome, policy_state, fell_back)
+    return outcome.gradient, _next_state(state, hyper, outcome, policy_state)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -486,12 +424,12 @@ def sam(
   rho: optax.ScalarOrSchedule,
   *,
   eps: float = 1e-12,
-  adaptive: pert.Adaptive = None,
+  adaptive: Literal["gsam", "asam"] | None = None,
   sync_perturbation: bool = False,
   axis_name: Hashable | tuple[Hashable, ...] | None = None,
   num_groups: int | None = None,
   perturb_every: int | None = None,
-  reuse_weight: optax.ScalarOrSchedule = 0.7,
+  reuse_weight: optax.ScalarOrSchedule | None = None,
   policy: SharpnessPolicy | None = None,
   on_nonfinite: str = "propagate",
   check_axis: bool = True,
@@ -595,14 +533,14 @@ def full_step_due(
     >>> bool(optax_gsam.full_step_due(state, jnp.ones(2), policy=policy, rho=0.05))
     True
   """
-  policy = policy_from_arguments(policy, None, DEFAULT_REUSE_WEIGHT)
+  policy = policy_from_arguments(policy, None, None)
   state = _find_state(opt_state)
   same_state = jax.tree.structure(policy.init()) == jax.tree.structure(state.policy_state)
-  if not same_state or policy.stores_direction != (state.correction is not None):
+  if not same_state or policy.stores_direction != (state.stored_direction is not None):
     raise ValueError(
       f"policy ({policy.name!r}) is not the policy this optimizer state was built with: pass "
       "full_step_due the policy given to gsam/sam (every_k_policy(k) for perturb_every=k)."
     )
-  rho_hyper = step.hyperparams_at(rho, policy, state.count)
-  due, _ = step.decide(policy, state.policy_state, state.count, rho_hyper, grads, axis_name)
+  hyper = step.hyperparams_at(rho, policy, state.count)
+  due, _ = step.decide(policy, state.policy_state, state.count, hyper, grads, axis_name)
   return jnp.asarray(due)

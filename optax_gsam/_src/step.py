@@ -1,22 +1,24 @@
-"""The stages of one gsam/sam update, each a module-level function.
+"""The stages of one gsam/sam update, in the order :func:`replicated_update` runs them.
 
-1. hyperparameters at the step: :func:`hyperparams_at`;
-2. the policy's choice between the full and the cheap step: :func:`decide`
-   and :func:`choose`;
-3. the full step of one replica (perturb, evaluate the loss, decompose):
-   :func:`full_replica`;
-4. the cheap step of one replica: :func:`cheap_replica`;
-5. the reduction: a pmean over ``axis_name`` (:func:`reduce_replica`) or the
-   average of a scan over ``num_groups`` (:func:`average_groups`);
-6. the new state, after :func:`guard_nonfinite` (in ``sharpness.py``).
+1. the hyperparameters at the step (:func:`hyperparams_at`);
+2. the policy's choice between the full and the cheap step (:func:`decide`,
+   then :func:`choose`: a static branch or a ``lax.cond``);
+3. the full step of one replica: perturb, evaluate the loss, decompose
+   (:func:`full_step`);
+4. the cheap step of one replica (:func:`cheap_step`);
+5. the reduction: a pmean over ``axis_name`` (:func:`reduce_over_axis`) or the
+   average of a scan over ``num_groups`` (:func:`average_groups`), with the
+   fallback to the clean gradient (:func:`fall_back_to_clean`);
+6. what the new state keeps (:func:`keep_finite_direction`); ``sharpness.py``
+   builds it.
 
 A *replica* is one device under ``axis_name``, one emulated group under
-``num_groups``, or the whole step on a single device.
+``num_groups``, or the whole step on a single device. :func:`grouped_update`
+is stage 2 to 5 for ``num_groups``.
 """
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Callable
 from collections.abc import Hashable
 from typing import Any
@@ -27,22 +29,25 @@ import jax.numpy as jnp
 import optax
 
 from optax_gsam._src import perturbation as pert
+from optax_gsam._src.arrays import compute_dtype
 from optax_gsam._src.policies import SharpnessPolicy
+from optax_gsam._src.schedules import value_at
 from optax_gsam._src.user_functions import ValueAndGradFn
 from optax_gsam._src.user_functions import scalar_loss
+from optax_gsam._src.validation import is_real_number
 
-NUM_DIAGNOSTICS = 5  # perturbed_loss, surrogate_gap, cosine, clean_grad_norm, perturbed_grad_norm
+AxisName = Hashable | tuple[Hashable, ...] | None
 
 
 class Settings(NamedTuple):
   """The static configuration of one transform, validated by its factory."""
 
-  alpha: Any
-  eps: Any
+  alpha: float | jax.Array
+  eps: float | jax.Array
   adaptive: pert.Adaptive
   minimize_fp: bool
   sync_perturbation: bool
-  axis_name: Hashable | tuple[Hashable, ...] | None
+  axis_name: AxisName
   num_groups: int | None
   policy: SharpnessPolicy
   on_nonfinite: str
@@ -55,37 +60,54 @@ class Settings(NamedTuple):
   def synchronized(self) -> bool:
     return self.axis_name is not None and self.sync_perturbation
 
-
-class StepHyperparams(NamedTuple):
-  """Stage 1: the hyperparameters at this step."""
-
-  rho: jax.Array
-  rho_positive: bool | jax.Array  # a Python bool when rho is a static number
-  reuse_weight: jax.Array | None  # only for policies that reuse a stored direction
+  @property
+  def is_sam(self) -> bool:
+    """alpha is statically 0 with ``minimize_fp``: the output is g_p, nothing to decompose."""
+    return is_real_number(self.alpha) and self.alpha == 0 and self.minimize_fp
 
 
-class ReplicaResult(NamedTuple):
-  """What one replica contributes; ``None`` fields are not reduced (cheap steps)."""
+class Hyperparams(NamedTuple):
+  """Stage 1: the hyperparameters at this step.
 
-  direction: optax.Updates
-  correction: optax.Updates | None = None
-  diagnostics: jax.Array | None = None
+  Python bools where rho is a static number, so that nothing is traced for them.
+  """
+
+  rho: jax.Array  # rho_t as given, for the state
+  safe_rho: jax.Array  # rho_t where it is a finite number >= 0, else 0
+  rho_ok: bool | jax.Array  # rho_t is a finite number >= 0
+  rho_positive: bool | jax.Array
+  reuse_weight: jax.Array | None  # only for policies that store a direction
+
+
+class Diagnostics(NamedTuple):
+  """What a full step reports; float32 scalars, stored in :class:`optax_gsam.GSAMState`."""
+
+  perturbed_loss: jax.Array
+  surrogate_gap: jax.Array
+  cosine: jax.Array
+  clean_grad_norm: jax.Array
+  perturbed_grad_norm: jax.Array
+
+
+class BranchResult(NamedTuple):
+  """What one replica's branch gives; ``None`` fields are not reduced (cheap steps)."""
+
+  gradient: optax.Updates  # the output g
+  stored_direction: optax.Updates | None = None
+  diagnostics: Diagnostics | None = None
 
 
 class Outcome(NamedTuple):
-  """The reduced result of the branch taken."""
+  """The reduced result of the branch taken, ready for the new state."""
 
-  direction: optax.Updates
-  correction: optax.Updates | None
-  diagnostics: jax.Array
+  gradient: optax.Updates
+  stored_direction: optax.Updates | None
+  diagnostics: Diagnostics
   full: jax.Array  # bool: the full step ran
+  fell_back: jax.Array  # bool: the output is the clean gradient instead of the full step's
 
 
-def value_at(hyperparameter: optax.ScalarOrSchedule, count: jax.Array) -> jax.Array:
-  return jnp.asarray(hyperparameter(count) if callable(hyperparameter) else hyperparameter)
-
-
-def pmean(tree: Any, axis_name: Hashable | tuple[Hashable, ...]) -> Any:
+def pmean(tree: Any, axis_name: AxisName) -> Any:
   try:
     return jax.lax.pmean(tree, axis_name)
   except NameError as error:
@@ -105,26 +127,31 @@ def all_finite(tree: Any) -> jax.Array:
 
 def hyperparams_at(
   rho: optax.ScalarOrSchedule, policy: SharpnessPolicy, count: jax.Array
-) -> StepHyperparams:
-  """Stage 1: rho_t and, for reuse policies, the reuse weight (0 where rho_t is 0)."""
+) -> Hyperparams:
+  """Stage 1: rho_t, whether it is usable, and the reuse weight (0 where no full step would run)."""
   rho_t = value_at(rho, count)
-  static = isinstance(rho, numbers.Real) and not isinstance(rho, bool)
-  rho_positive = bool(rho > 0) if static else rho_t > 0
+  if is_real_number(rho):  # Validated at construction: decided while tracing.
+    rho_ok, rho_positive, safe_rho = True, bool(rho > 0), rho_t
+  else:  # A schedule (or an injected array) can give anything; see fall_back_to_clean.
+    rho_ok = jnp.isfinite(rho_t) & (rho_t >= 0)
+    rho_positive = rho_ok & (rho_t > 0)
+    safe_rho = jnp.where(rho_ok, rho_t, jnp.zeros_like(rho_t))
   weight = None
   if policy.stores_direction:
     weight = value_at(policy.reuse_weight, count)
-    if policy.skip_zero_rho:  # At radius 0 the full step's output is g_c itself.
-      weight = jnp.where(rho_positive, weight, jnp.zeros_like(weight))
-  return StepHyperparams(rho=rho_t, rho_positive=rho_positive, reuse_weight=weight)
+    usable = rho_positive if policy.skip_zero_rho else rho_ok  # At radius 0, g = g_c.
+    if usable is not True:
+      weight = jnp.where(usable, weight, jnp.zeros_like(weight))
+  return Hyperparams(rho_t, safe_rho, rho_ok, rho_positive, weight)
 
 
 def decide(
   policy: SharpnessPolicy,
   policy_state: Any,
   count: jax.Array,
-  hyper: StepHyperparams,
+  hyper: Hyperparams,
   clean_grads: optax.Updates,
-  signal_axis: Hashable | tuple[Hashable, ...] | None = None,
+  signal_axis: AxisName = None,
 ) -> tuple[bool | jax.Array, Any]:
   """Stage 2a: whether the policy wants the full step, and its next state.
 
@@ -133,7 +160,7 @@ def decide(
   """
   grad_sq_norm = None
   if policy.uses_grad_norm:
-    grad_sq_norm = pert.global_norm(clean_grads) ** 2
+    grad_sq_norm = pert.stable_global_norm(clean_grads) ** 2
     if signal_axis is not None:
       grad_sq_norm = pmean(grad_sq_norm, signal_axis)
   due, policy_state = policy.decide(policy_state, count, grad_sq_norm)
@@ -162,28 +189,27 @@ def choose(
   return jax.lax.cond(due, full, cheap)
 
 
-def full_replica(
+def full_step(
   settings: Settings,
+  rho: jax.Array,
   clean_grads: optax.Updates,
   params: optax.Params,
   grad_fn: ValueAndGradFn,
-  rho_t: jax.Array,
   clean_loss: jax.Array | None,
-) -> ReplicaResult:
+) -> BranchResult:
   """Stage 3: one replica's GSAM gradient, stored direction and diagnostics."""
   epsilon = pert.perturbation(
-    clean_grads, params, rho_t, adaptive=settings.adaptive, eps=settings.eps
+    clean_grads, params, rho, adaptive=settings.adaptive, eps=settings.eps
   )
   perturbed_value, perturbed_grads = grad_fn(optax.apply_updates(params, epsilon))
   perturbed_loss = scalar_loss(perturbed_value)
   if settings.synchronized:
     perturbed_grads = pmean(perturbed_grads, settings.axis_name)
   stats = pert.gradient_stats(clean_grads, perturbed_grads)
-  sam = isinstance(settings.alpha, numbers.Real) and settings.alpha == 0 and settings.minimize_fp
-  if sam:  # No decomposition to do.
-    direction = optax.tree.cast_like(perturbed_grads, clean_grads)
+  if settings.is_sam:
+    gradient = optax.tree.cast_like(perturbed_grads, clean_grads)
   else:
-    direction = pert.decompose(
+    gradient = pert.decompose(
       clean_grads,
       perturbed_grads,
       settings.alpha,
@@ -192,29 +218,34 @@ def full_replica(
       stats=stats,
     )
   gap = perturbed_loss - clean_loss if clean_loss is not None else jnp.zeros([], jnp.float32)
-  diagnostics = jnp.stack(
-    [perturbed_loss, gap]
-    + [x.astype(jnp.float32) for x in (stats.cosine, stats.clean_norm, stats.perturbed_norm)]
+  diagnostics = Diagnostics(
+    perturbed_loss=perturbed_loss,
+    surrogate_gap=gap,
+    cosine=stats.cosine.astype(jnp.float32),
+    clean_grad_norm=stats.clean_norm.astype(jnp.float32),
+    perturbed_grad_norm=stats.perturbed_norm.astype(jnp.float32),
   )
-  correction = None
+  stored = None
   if settings.policy.stores_direction:
-    correction = pert.orthogonal_component(direction, clean_grads, eps=settings.eps)
-  return ReplicaResult(direction, correction, diagnostics)
+    stored = pert.orthogonal_component(gradient, clean_grads, eps=settings.eps)
+  return BranchResult(gradient, stored, diagnostics)
 
 
-def cheap_replica(
+def cheap_step(
   settings: Settings,
-  clean_grads: optax.Updates,
-  correction: optax.Updates | None,
   weight: jax.Array | None,
-) -> ReplicaResult:
+  clean_grads: optax.Updates,
+  stored_direction: optax.Updates | None,
+) -> BranchResult:
   """Stage 4: the clean gradient, or with the stored direction added back."""
   if settings.policy.cheap == "reuse":
-    return ReplicaResult(pert.reuse_correction(clean_grads, correction, weight, eps=settings.eps))
-  return ReplicaResult(clean_grads)
+    return BranchResult(
+      pert.reuse_direction(clean_grads, stored_direction, weight, eps=settings.eps)
+    )
+  return BranchResult(clean_grads)
 
 
-def reduce_replica(settings: Settings, result: ReplicaResult) -> ReplicaResult:
+def reduce_over_axis(settings: Settings, result: BranchResult) -> BranchResult:
   """Stage 5 over ``axis_name``: one collective for everything that differs per device."""
   if settings.axis_name is None:
     return result
@@ -226,11 +257,6 @@ def reduce_replica(settings: Settings, result: ReplicaResult) -> ReplicaResult:
   return result._replace(diagnostics=pmean(result.diagnostics, settings.axis_name))
 
 
-def _accumulator(shapes: Any) -> Any:
-  """Zeros shaped like ``shapes`` in the accumulation dtype (float32 at least)."""
-  return jax.tree.map(lambda s: jnp.zeros(s.shape, pert.accumulation_dtype(s.dtype)), shapes)
-
-
 def average_groups(num_groups: int, group_result: Callable[[jax.Array], Any]) -> Any:
   """Stage 5 over ``num_groups``: the mean of ``group_result(g)``, one group live at a time."""
   groups = jnp.arange(num_groups, dtype=jnp.int32)
@@ -239,40 +265,160 @@ def average_groups(num_groups: int, group_result: Callable[[jax.Array], Any]) ->
     result = group_result(group)
     return jax.tree.map(lambda t, x: t + x.astype(t.dtype), total, result), None
 
-  initial = _accumulator(jax.eval_shape(group_result, groups[0]))
+  shapes = jax.eval_shape(group_result, groups[0])
+  initial = jax.tree.map(lambda s: jnp.zeros(s.shape, compute_dtype(s.dtype)), shapes)
   total, _ = jax.lax.scan(body, initial, groups)
   return jax.tree.map(lambda t: t / num_groups, total)
 
 
-def guard_nonfinite(
-  settings: Settings,
-  outcome: Outcome,
-  previous_correction: optax.Updates | None,
-  clean_average: Callable[[], optax.Updates],
-) -> tuple[Outcome, jax.Array]:
-  """Stage 6a: keep non-finite steps out of the state; ``on_nonfinite="clean"`` falls back.
+def rho_unusable(hyper: Hyperparams) -> bool | jax.Array:
+  """rho_t is not a finite number >= 0 (a Python bool for a static rho)."""
+  return not hyper.rho_ok if isinstance(hyper.rho_ok, bool) else ~hyper.rho_ok
 
-  The stored direction is never replaced by a step whose gradients or
-  perturbed loss are not finite. With ``on_nonfinite="clean"``, a full step
-  whose output or perturbed loss is not finite outputs ``clean_average()``
-  instead (the clean gradient, averaged like the output); the returned flag
-  says whether that happened with a finite clean gradient.
+
+def needs_fallback(
+  settings: Settings, hyper: Hyperparams, result: BranchResult, any_axis: AxisName = None
+) -> bool | jax.Array:
+  """Whether a full step must output the clean gradient instead.
+
+  Always where rho_t is not a finite number >= 0 (a schedule's NaN must not
+  stall training); with ``on_nonfinite="clean"`` also where the output or the
+  perturbed loss is not finite, on any replica of ``any_axis``.
   """
-  perturbed_loss_ok = ~outcome.full | jnp.isfinite(outcome.diagnostics[0])
-  correction = outcome.correction
-  if correction is not None:
-    keep = all_finite(correction) & perturbed_loss_ok
-    correction = jax.tree.map(
-      lambda new, old: jnp.where(keep, new, old), correction, previous_correction
-    )
-  direction, fell_back = outcome.direction, jnp.asarray(False)
+  flag = rho_unusable(hyper)
   if settings.on_nonfinite == "clean":
+    assert result.diagnostics is not None
+    bad = ~(all_finite(result.gradient) & jnp.isfinite(result.diagnostics.perturbed_loss))
+    if any_axis is not None:
+      bad = jax.lax.pmax(bad, any_axis)
+    flag = flag | bad
+  return flag
 
-    def fall_back():
-      clean = optax.tree.cast_like(clean_average(), direction)
-      return clean, all_finite(clean)
 
-    direction, fell_back = jax.lax.cond(
-      all_finite(direction) & perturbed_loss_ok, lambda: (direction, jnp.asarray(False)), fall_back
-    )
-  return outcome._replace(direction=direction, correction=correction), fell_back
+def fall_back_to_clean(
+  flag: bool | jax.Array, clean_grads: optax.Updates, result: BranchResult
+) -> BranchResult:
+  """Stage 5: the clean gradient where ``flag`` holds; selects, so no tree enters a conditional."""
+  if flag is False:
+    return result
+  gradient = jax.tree.map(
+    lambda c, g: jnp.where(flag, c.astype(g.dtype), g), clean_grads, result.gradient
+  )
+  return result._replace(gradient=gradient)
+
+
+def _outcome(
+  result: BranchResult,
+  full: bool,
+  fallback: bool | jax.Array,
+  previous: tuple[optax.Updates | None, Diagnostics],
+  like: optax.Updates,
+) -> Outcome:
+  """A reduced branch result, completed with what a cheap step leaves as it was."""
+  previous_stored, previous_diagnostics = previous
+  stored = result.stored_direction
+  if stored is None:
+    stored = previous_stored
+  elif previous_stored is not None:
+    stored = optax.tree.cast_like(stored, previous_stored)
+  diagnostics = previous_diagnostics if result.diagnostics is None else result.diagnostics
+  gradient = optax.tree.cast_like(result.gradient, like)
+  fell_back = jnp.asarray(fallback) & all_finite(gradient)
+  return Outcome(gradient, stored, diagnostics, jnp.asarray(full), fell_back)
+
+
+def replicated_update(
+  settings: Settings,
+  hyper: Hyperparams,
+  policy_inputs: tuple[Any, jax.Array],
+  previous: tuple[optax.Updates | None, Diagnostics],
+  updates: optax.Updates,
+  params: optax.Params,
+  grad_fn: ValueAndGradFn,
+  clean_loss: jax.Array | None,
+  perturb: bool | None,
+) -> tuple[Outcome, Any]:
+  """Stages 2 to 5 on one device, or on one replica under ``axis_name``.
+
+  ``policy_inputs`` is ``(policy_state, count)``; ``previous`` is the state's
+  ``(stored_direction, diagnostics)``. Returns the outcome and the policy's
+  new state.
+  """
+  clean_grads = pmean(updates, settings.axis_name) if settings.synchronized else updates
+  signal_axis = settings.axis_name if settings.per_device else None
+  policy_state, count = policy_inputs
+  due, policy_state = decide(settings.policy, policy_state, count, hyper, clean_grads, signal_axis)
+
+  def full() -> Outcome:
+    result = full_step(settings, hyper.safe_rho, clean_grads, params, grad_fn, clean_loss)
+    if settings.per_device:  # Select per device before the mean: no extra all-reduce.
+      fallback = needs_fallback(settings, hyper, result, settings.axis_name)
+      result = reduce_over_axis(settings, fall_back_to_clean(fallback, clean_grads, result))
+    else:
+      result = reduce_over_axis(settings, result)
+      fallback = needs_fallback(settings, hyper, result)
+      result = fall_back_to_clean(fallback, clean_grads, result)
+    return _outcome(result, True, fallback, previous, updates)
+
+  def cheap() -> Outcome:
+    result = cheap_step(settings, hyper.reuse_weight, clean_grads, previous[0])
+    result = reduce_over_axis(settings, result)
+    return _outcome(result, False, rho_unusable(hyper), previous, updates)
+
+  return choose(due, full, cheap, perturb), policy_state
+
+
+def grouped_update(
+  settings: Settings,
+  hyper: Hyperparams,
+  policy_inputs: tuple[Any, jax.Array],
+  previous: tuple[optax.Updates | None, Diagnostics],
+  updates: optax.Updates,
+  params: optax.Params,
+  group_fn: Callable[[jax.Array], ValueAndGradFn],
+  perturb: bool | None,
+) -> tuple[Outcome, Any]:
+  """Stages 2 to 5 for ``num_groups``: a scan over groups, each perturbed with its own gradient.
+
+  Where a fallback to the clean gradient can happen, the scan also averages
+  the groups' clean gradients, so no group is evaluated twice.
+  """
+  policy_state, count = policy_inputs
+  due, policy_state = decide(settings.policy, policy_state, count, hyper, updates)
+  keep_clean = settings.on_nonfinite == "clean" or hyper.rho_ok is not True
+
+  def clean_of(group):
+    value, grads = group_fn(group)(params)
+    return scalar_loss(value), optax.tree.cast_like(grads, updates)
+
+  def full_of(group):
+    clean_loss, clean_grads = clean_of(group)
+    result = full_step(settings, hyper.safe_rho, clean_grads, params, group_fn(group), clean_loss)
+    return result, (clean_grads if keep_clean else None)
+
+  def full() -> Outcome:
+    result, clean_average = average_groups(settings.num_groups, full_of)
+    fallback = needs_fallback(settings, hyper, result) if keep_clean else False
+    result = fall_back_to_clean(fallback, clean_average, result)
+    return _outcome(result, True, fallback, previous, updates)
+
+  def cheap_of(group):
+    return cheap_step(settings, hyper.reuse_weight, clean_of(group)[1], previous[0])
+
+  def cheap() -> Outcome:
+    result = average_groups(settings.num_groups, cheap_of)
+    return _outcome(result, False, rho_unusable(hyper), previous, updates)
+
+  return choose(due, full, cheap, perturb), policy_state
+
+
+def keep_finite_direction(
+  outcome: Outcome, previous_stored: optax.Updates | None
+) -> optax.Updates | None:
+  """Stage 6: a stored direction from a step that was not finite, or fell back, is not kept."""
+  stored = outcome.stored_direction
+  if stored is None:
+    return None
+  perturbed_loss_ok = ~outcome.full | jnp.isfinite(outcome.diagnostics.perturbed_loss)
+  keep = all_finite(stored) & perturbed_loss_ok & ~outcome.fell_back
+  return jax.tree.map(lambda new, old: jnp.where(keep, new, old), stored, previous_stored)

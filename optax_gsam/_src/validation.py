@@ -22,32 +22,69 @@ def is_scalar_array(value) -> bool:
   return bool(jnp.issubdtype(dtype, jnp.number)) and not jnp.issubdtype(dtype, jnp.bool_)
 
 
-def check_non_negative(name: str, value, *, schedule: bool = False, bound: str = ">= 0") -> None:
+def _concrete_value(value) -> float | None:
+  """The value of a concrete scalar array; None for a tracer (checked where it is used)."""
+  if isinstance(value, jax.core.Tracer):
+    return None
+  return float(jnp.real(value)) if not jnp.iscomplexobj(value) else None
+
+
+def check_non_negative(
+  name: str, value, *, allow_schedule: bool = False, bound: str = ">= 0"
+) -> None:
   """Raises a ValueError naming ``name`` unless ``value`` is a finite number >= 0.
 
-  0-d numeric arrays (as passed by ``optax.inject_hyperparams``, possibly
-  traced) are accepted without a value check: they need not have a concrete
-  value at construction. ``schedule=True`` only adds "or a schedule" to the
-  message: callers accept schedules before calling this.
+  With ``allow_schedule``, any callable (an ``optax.Schedule``) is accepted
+  too; its values are checked where they are used. 0-d numeric arrays (as
+  ``optax.inject_hyperparams`` passes them) are checked like numbers when
+  concrete, and accepted when traced.
   """
+  if allow_schedule and callable(value):
+    return
   allowed = f"a finite number {bound}" + (
-    ", a scalar array or a schedule" if schedule else " or a scalar array"
+    ", a scalar array or a schedule" if allow_schedule else " or a scalar array"
   )
   if isinstance(value, bool):
     raise ValueError(f"{name} must be {allowed}, got the bool {value!r}.")
-  if is_real_number(value):
-    if not (math.isfinite(value) and value >= 0):
-      raise ValueError(f"{name} must be a finite number {bound}, got {value!r}.")
-    return
-  if not is_scalar_array(value):
+  if is_scalar_array(value):
+    number = _concrete_value(value)
+    if number is None:
+      return
+  elif is_real_number(value):
+    number = float(value)
+  else:
     raise ValueError(f"{name} must be {allowed}, got {value!r}.")
+  if not (math.isfinite(number) and number >= 0) or (bound == "> 0" and number == 0):
+    raise ValueError(f"{name} must be a finite number {bound}, got {value!r}.")
 
 
 def check_positive(name: str, value) -> None:
   """Raises a ValueError naming ``name`` unless ``value`` is a finite number > 0 (or a 0-d array)."""
   check_non_negative(name, value, bound="> 0")
-  if is_real_number(value) and not value > 0:
-    raise ValueError(f"{name} must be a finite number > 0, got {value!r}.")
+
+
+def check_unit_interval(name: str, value, *, include_one: bool) -> None:
+  """A float in [0, 1) or [0, 1], or a scalar array (checked when concrete)."""
+  interval = "[0, 1]" if include_one else "[0, 1)"
+  number = _concrete_value(value) if is_scalar_array(value) else value
+  if number is None:
+    return
+  if not is_real_number(number) or not (0 <= number <= 1) or (number == 1 and not include_one):
+    raise ValueError(f"{name} must be a float in {interval}, got {value!r}.")
+
+
+def check_positive_int(name: str, value, *, allow_none: bool = False) -> None:
+  """A static Python int >= 1 (or ``None`` where allowed); never an array or a bool."""
+  if value is None and allow_none:
+    return
+  if isinstance(value, jax.Array):  # e.g. made an array by optax.inject_hyperparams.
+    raise ValueError(
+      f"{name} must be a static Python int; with optax.inject_hyperparams pass "
+      f"static_args=({name!r},)."
+    )
+  if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+    allowed = "None or an int >= 1" if allow_none else "a positive int"
+    raise ValueError(f"{name} must be {allowed}, got {value!r}.")
 
 
 def check_axis_name(axis_name) -> None:
@@ -61,38 +98,72 @@ def check_axis_name(axis_name) -> None:
     )
 
 
-def check_static_count(name: str, value, minimum: int) -> None:
-  """None or a static Python int >= ``minimum`` (never an array)."""
-  if value is None:
+PARAMS_FIX = (
+  "Pass only the trainable float arrays as params and close over the rest in loss_fn: with "
+  "Equinox, `params, static = eqx.partition(model, eqx.is_inexact_array)` and "
+  "`loss_fn = lambda p: loss(eqx.combine(p, static), batch)`, initialising the optimizer with "
+  "the same `params`; with Flax Linen, variables['params']; with Haiku, the params of "
+  "transform/transform_with_state."
+)
+
+
+def _paths_and_leaves(tree) -> list[tuple[str, object]]:
+  return [(jax.tree_util.keystr(p), x) for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+def _is_trainable_leaf(x) -> bool:
+  if isinstance(x, (float, complex)):
+    return True
+  dtype = getattr(x, "dtype", None)
+  return dtype is not None and bool(jnp.issubdtype(dtype, jnp.inexact))
+
+
+def _check_params_leaves(params) -> None:
+  """Every params leaf is a float or complex array: the transforms perturb and differentiate each."""
+  bad = [(path, x) for path, x in _paths_and_leaves(params) if not _is_trainable_leaf(x)]
+  if not bad:
     return
-  if isinstance(value, jax.Array):  # e.g. made an array by optax.inject_hyperparams.
-    raise ValueError(
-      f"{name} must be a static Python int; with optax.inject_hyperparams pass "
-      f"static_args=({name!r},)."
-    )
-  if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
-    raise ValueError(f"{name} must be None or an int >= {minimum}, got {value!r}.")
+  described = [
+    f"params{path}: " + (f"dtype {x.dtype}" if hasattr(x, "dtype") else type(x).__name__)
+    for path, x in bad[:5]
+  ]
+  raise ValueError(
+    "gsam/sam/momentum_sam perturb and differentiate every leaf of params, and these leaves "
+    f"are not float arrays: {'; '.join(described)}. " + PARAMS_FIX
+  )
 
 
 def _shape_mismatches(a, b) -> list[str]:
   """'path: shape vs shape' for every leaf pair of two same-structure pytrees whose shapes differ."""
-  paths_a = jax.tree_util.tree_flatten_with_path(a)[0]
   return [
-    f"{jax.tree_util.keystr(path)}: {jnp.shape(x)} vs {jnp.shape(y)}"
-    for (path, x), y in zip(paths_a, jax.tree.leaves(b), strict=True)
+    f"{path}: {jnp.shape(x)} vs {jnp.shape(y)}"
+    for (path, x), y in zip(_paths_and_leaves(a), jax.tree.leaves(b), strict=True)
     if jnp.shape(x) != jnp.shape(y)
   ]
 
 
-def check_update_inputs(updates, params, correction=None) -> None:
-  """The gradient, the params and the stored direction of the state agree in structure and shapes."""
+def _structure_mismatch(updates, params) -> str:
+  """The leaf paths that one tree has and the other lacks, for the error message."""
+  update_paths = {path for path, _ in _paths_and_leaves(updates)}
+  param_paths = {path for path, _ in _paths_and_leaves(params)}
+  only = lambda a, b: ", ".join(sorted(a - b)[:5]) or "none"
+  return (
+    f"leaves only in the gradient: {only(update_paths, param_paths)}; only in params: "
+    f"{only(param_paths, update_paths)}"
+  )
+
+
+def check_update_inputs(updates, params, stored_direction=None) -> None:
+  """The params are float arrays, and agree with the gradient and the state in structure and shapes."""
   if params is None:
     raise ValueError("gsam/sam need params: call tx.update(grads, opt_state, params, loss_fn=...).")
-  updates_structure, params_structure = jax.tree.structure(updates), jax.tree.structure(params)
-  if updates_structure != params_structure:
+  _check_params_leaves(params)
+  if jax.tree.structure(updates) != jax.tree.structure(params):
     raise ValueError(
-      "The gradient and params pytrees differ in structure: "
-      f"{updates_structure} vs {params_structure}."
+      "The gradient and params pytrees differ in structure ("
+      + _structure_mismatch(updates, params)
+      + "). The gradient must be taken with respect to exactly the params given to update and "
+      "init. " + PARAMS_FIX
     )
   mismatches = _shape_mismatches(updates, params)
   if mismatches:
@@ -101,13 +172,15 @@ def check_update_inputs(updates, params, correction=None) -> None:
       + "; ".join(mismatches[:5])
       + "."
     )
-  if correction is None:
+  if stored_direction is None:
     return
-  if jax.tree.structure(correction) != params_structure or _shape_mismatches(correction, params):
+  same_structure = jax.tree.structure(stored_direction) == jax.tree.structure(params)
+  if not same_structure or _shape_mismatches(stored_direction, params):
     raise ValueError(
-      "The optimizer state was initialised for other params: its stored direction "
-      "(GSAMState.correction) does not match the structure and shapes of params. Call "
-      "tx.init(params) with these params, or restore the checkpoint into tx.init(params)."
+      "The optimizer state was initialised for other params: its params-shaped part "
+      "(GSAMState.stored_direction, MomentumSAMState.momentum) does not match the structure "
+      "and shapes of params. Call tx.init(params) with these params, or restore the "
+      "checkpoint into tx.init(params)."
     )
 
 

@@ -1,0 +1,81 @@
+"""Array helpers shared by the transforms, the gradient cache and the losses.
+
+Dtypes: arithmetic runs in at least float32 (``compute_dtype``; float64 and
+complex stay as they are) and reductions accumulate in the matching real dtype
+(``real_dtype``). Layout: a batch split into equal row blocks and a remainder,
+and back. Sharding: marking values device-varying under ``jax.shard_map``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def compute_dtype(dtype: Any) -> np.dtype:
+  """Float32 at least for inexact dtypes (complex stays complex); others unchanged."""
+  dtype = jnp.dtype(dtype)
+  if jnp.issubdtype(dtype, jnp.inexact):
+    return jnp.promote_types(dtype, jnp.float32)
+  return dtype
+
+
+def real_dtype(dtype: Any) -> np.dtype:
+  """The real dtype that sums of squares and inner products of ``dtype`` accumulate in."""
+  return jnp.finfo(compute_dtype(dtype)).dtype
+
+
+def upcast(x: Any) -> jax.Array:
+  """``x`` as an array in its :func:`compute_dtype`."""
+  x = jnp.asarray(x)
+  return x.astype(compute_dtype(x.dtype))
+
+
+def split_rows(tree: Any, size: int) -> tuple[Any, Any]:
+  """Every leaf's rows as ``([n, size, ...] blocks or None, the remaining rows or None)``.
+
+  All leaves must share the leading size.
+  """
+  total = jax.tree.leaves(tree)[0].shape[0]
+  num_blocks, whole = total // size, (total // size) * size
+
+  def blocks(x):
+    x = x if x.shape[0] == whole else x[:whole]
+    return x.reshape((num_blocks, size, *x.shape[1:]))
+
+  head = jax.tree.map(blocks, tree) if num_blocks else None
+  tail = jax.tree.map(lambda x: x[whole:], tree) if total > whole else None
+  return head, tail
+
+
+def join_rows(head: Any, tail: Any) -> Any:
+  """The inverse of :func:`split_rows`."""
+  if head is not None:
+    head = jax.tree.map(lambda x: x.reshape((-1, *x.shape[2:])), head)
+  if head is None or tail is None:
+    return tail if head is None else head
+  return jax.tree.map(lambda a, b: jnp.concatenate([a, b]), head, tail)
+
+
+def varying_axes(x: Any) -> frozenset:
+  """The mesh axes ``x`` varies over inside ``jax.shard_map`` (empty elsewhere)."""
+  return getattr(getattr(jax.typeof(x), "mat", None), "varying", frozenset())
+
+
+def mark_varying(x: Any, axes: Hashable | tuple[Hashable, ...] | frozenset) -> jax.Array:
+  """``x`` marked device-varying over ``axes`` (those it does not vary over already).
+
+  Inside ``jax.shard_map``, differentiating with respect to a replicated value
+  inserts an implicit sum over devices, and a scan carry that starts as a
+  constant changes type once its updates vary; marking them varying avoids
+  both. Outside ``shard_map`` this returns ``x`` unchanged.
+  """
+  x = jnp.asarray(x)
+  if not isinstance(axes, (tuple, frozenset)):
+    axes = (axes,)
+  missing = tuple(sorted(set(axes) - varying_axes(x), key=str))
+  return jax.lax.pcast(x, missing, to="varying") if missing else x
