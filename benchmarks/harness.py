@@ -375,7 +375,7 @@ def tune(
       sweep.setdefault(key, []).append({**point, "val_accuracy": acc})
       print(f"  tune {task.name} {key:8s} {point}: val acc {100 * acc:.2f}%", flush=True)
       if run.noise not in best or acc > best[run.noise][1]:
-        best[run.noise] = (point, acc)
+        best[run.noise] = ({"lr": run.lr, "rho": run.rho, "alpha": run.alpha}, acc)
     return {noise: point for noise, (point, _) in best.items()}
 
   noises = task.noise_levels

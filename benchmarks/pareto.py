@@ -394,8 +394,32 @@ def train_task(task, contenders, hparams, seeds, options) -> tuple[dict, int]:
   return metrics, num_steps
 
 
-def main(argv: list[str] | None = None) -> dict:
-  """Runs the benchmark; prints the tables, writes JSON (and a PNG unless ``--no-plot``)."""
+def run_task(task, contenders, chosen, seeds, *, rounds: int, quick: bool) -> list[dict]:
+  """Trains and times every contender on ``task``; one row per (noise level, contender)."""
+  options = QUICK_COMPILER_OPTIONS if quick else None
+  metrics, num_steps = train_task(task, contenders, chosen, seeds, options)
+  # Step cost of each branch, once per model (the timed steps do not depend on the noise).
+  data = task.load(0.0, 0)
+  x, y = (jnp.asarray(a[: task.batch_size]) for a in (data.x_train, data.y_train))
+  first = chosen[task.noise_levels[0]]
+  costs = branch_costs(
+    task.model,
+    x,
+    y,
+    contenders,
+    first,
+    num_steps,
+    rounds=rounds,
+    steps=5 if quick else 20,
+    compiler_options=options,
+  )
+  rows = []
+  for n in task.noise_levels:
+    rows += summarize(task, n, contenders, metrics[n], costs, num_steps, chosen[n])
+  return rows
+
+
+def parse_args(argv: list[str] | None):
   parser = harness.parser(__doc__, CONTENDERS)
   parser.add_argument("--seeds", type=int, default=None)
   parser.add_argument("--epochs", type=int, default=None, help="override every data set's epochs")
@@ -404,7 +428,13 @@ def main(argv: list[str] | None = None) -> dict:
   parser.add_argument("--no-tune", action="store_true", help="use DEFAULTS (always in --quick)")
   parser.add_argument("--no-vit", action="store_true", help="skip the ViT cheap-step overhead")
   parser.add_argument("--rounds", type=int, default=None, help="interleaved timing rounds")
-  args = parser.parse_args(argv)
+  parser.add_argument("--tune-seeds", type=int, default=TUNE_SEEDS, help="seeds per grid point")
+  return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict:
+  """Runs the benchmark; prints the tables, writes JSON (and a PNG unless ``--no-plot``)."""
+  args = parse_args(argv)
   mode = "quick" if args.quick else "full"
   seeds = args.seeds or (2 if args.quick else 5)
   rounds = args.rounds or (2 if args.quick else 60)
@@ -427,37 +457,16 @@ def main(argv: list[str] | None = None) -> dict:
     if tune_enabled:
       keys = {"base"} | {c.hparams for c in contenders.values()}
       tuning = {k: CONTENDERS[TUNED_WITH[k]] for k in TUNED_WITH if k in keys}
+      task_grids = {k: g for k, g in grids(task.name).items() if k in keys}
       chosen, sweeps[task.name] = harness.tune(
-        task,
-        tuning,
-        LR_GRIDS[task.name],
-        {k: g for k, g in grids(task.name).items() if k in keys},
-        seeds=TUNE_SEEDS,
+        task, tuning, LR_GRIDS[task.name], task_grids, seeds=args.tune_seeds
       )
     else:
       chosen = {n: DEFAULTS[task.name][n] for n in noises}
     tuned[task.name] = {str(n): v for n, v in chosen.items()}
-    metrics, num_steps = train_task(task, contenders, chosen, seeds, options)
-    # Step cost of each branch, once per model (the timed steps do not depend on the noise).
-    data = task.load(0.0, 0)
-    x, y = (
-      jnp.asarray(data.x_train[: task.batch_size]),
-      jnp.asarray(data.y_train[: task.batch_size]),
-    )
-    steps = 5 if args.quick else 20
-    costs = branch_costs(
-      task.model,
-      x,
-      y,
-      contenders,
-      chosen[noises[0]],
-      num_steps,
-      rounds=rounds,
-      steps=steps,
-      compiler_options=options,
-    )
-    for n in noises:
-      rows += summarize(task, n, contenders, metrics[n], costs, num_steps, chosen[n])
+    rows += run_task(task, contenders, chosen, seeds, rounds=rounds, quick=args.quick)
+    partial = {"partial": True, "seeds": seeds, "tuned": tuned, "sweep": sweeps, "rows": rows}
+    harness.save("pareto", mode, partial, args.out_dir, argv, suffix="_partial")
 
   print(format_table(rows))
   overhead = []
@@ -478,7 +487,7 @@ def main(argv: list[str] | None = None) -> dict:
     "seeds": seeds,
     "timing_rounds": rounds,
     "tuned": tuned,
-    "tuning": {"validation": tune_enabled, "seeds": TUNE_SEEDS, "sweep": sweeps},
+    "tuning": {"validation": tune_enabled, "seeds": args.tune_seeds, "sweep": sweeps},
     "left_out": missing,
     "rows": rows,
     "vit_cheap_step": overhead,
