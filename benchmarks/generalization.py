@@ -61,7 +61,7 @@ DEFAULTS: dict[str, dict[str, float]] = {
   "base": {"lr": 1e-3, "rho": 0.0, "alpha": 0.0},
   "sam": {"lr": 1e-3, "rho": 0.4, "alpha": 0.0},
   "gsam": {"lr": 1e-3, "rho": 0.2, "alpha": 0.3},
-  "gsam-lr": {"lr": 1e-3, "rho": 0.2, "alpha": 0.3},
+  "gsam-lr": {"lr": 1e-3, "rho": 0.4, "alpha": 0.1},
 }
 METRICS = ("accuracy", "noise_fitted", "train_loss", "lambda_max", "gap")
 
