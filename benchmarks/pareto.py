@@ -423,7 +423,9 @@ def parse_args(argv: list[str] | None):
   parser = harness.parser(__doc__, CONTENDERS)
   parser.add_argument("--seeds", type=int, default=None)
   parser.add_argument("--epochs", type=int, default=None, help="override every data set's epochs")
-  parser.add_argument("--datasets", nargs="*", default=None, help="subset of digits, mnist1d")
+  parser.add_argument(
+    "--datasets", nargs="*", default=None, help="subset of digits, mnist1d, run in this order"
+  )
   parser.add_argument("--noise", type=float, nargs="*", default=None, help="subset of noise levels")
   parser.add_argument("--no-tune", action="store_true", help="use DEFAULTS (always in --quick)")
   parser.add_argument("--no-vit", action="store_true", help="skip the ViT cheap-step overhead")
@@ -449,9 +451,10 @@ def main(argv: list[str] | None = None) -> dict:
   )
 
   rows, tuned, sweeps = [], {}, {}
-  for task in tasks(mode).values():
+  by_name = tasks(mode)
+  for task in (by_name[name] for name in args.datasets or by_name):  # in the order given
     noises = tuple(n for n in task.noise_levels if args.noise is None or n in args.noise)
-    if (args.datasets and task.name not in args.datasets) or not noises:
+    if not noises:
       continue
     task = dataclasses.replace(task, noise_levels=noises, epochs=args.epochs or task.epochs)
     if tune_enabled:
