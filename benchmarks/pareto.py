@@ -8,7 +8,7 @@ against the base step in the same process, weighted by the full steps it took.
 On step_cost.py's ViT-tiny it also times each policy's cheap step against a base
 step. The contenders, protocol, targets and results are in benchmarks/README.md.
 
-    python benchmarks/pareto.py                     # full: tuning, 5 seeds (~40 min, 2 cores)
+    python benchmarks/pareto.py                     # full: tuning, 5 seeds (~60 min, 2 cores)
     python benchmarks/pareto.py --quick             # smoke run: small MNIST-1D, 2 epochs, DEFAULTS
     python benchmarks/pareto.py --no-tune --seeds 3 # the full run without tuning
 
@@ -134,11 +134,13 @@ def _tuned(lr: float, sam: float, gsam: float, gsam_lr: float, msam: float) -> d
 # Chosen on the validation split by the last full run (pareto.json's "tuned"); --no-tune uses them.
 DEFAULTS: dict[str, dict[float, dict[str, dict[str, float]]]] = {
   "digits": {
-    0.2: _tuned(5e-4, sam=0.2, gsam=0.2, gsam_lr=0.2, msam=1.0),
+    0.2: _tuned(1.25e-4, sam=0.1, gsam=0.1, gsam_lr=0.1, msam=0.03),
     0.4: _tuned(2.5e-4, sam=0.1, gsam=0.1, gsam_lr=0.1, msam=0.1),
   },
   "mnist1d": {
-    0.0: _tuned(4e-2, sam=0.1, gsam=0.05, gsam_lr=0.05, msam=1.0),
+    0.0: _tuned(4e-2, sam=0.1, gsam=0.05, gsam_lr=0.05, msam=0.3),
+    0.2: _tuned(8e-2, sam=0.05, gsam=0.05, gsam_lr=0.05, msam=0.1),
+    0.4: _tuned(4e-2, sam=0.1, gsam=0.05, gsam_lr=0.05, msam=0.1),
   },
 }
 
