@@ -13,27 +13,16 @@ one.
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import importlib
 import json
 import pathlib
 import re
-import sys
 import time
 
 import jax
 
 HERE = pathlib.Path(__file__).resolve().parent
 BENCHMARKS = ("step_cost", "generalization", "gradient_cache")
-
-
-def load(name: str):
-  """Imports ``benchmarks/<name>.py`` as a module."""
-  sys.path.insert(0, str(HERE))
-  spec = importlib.util.spec_from_file_location(name, HERE / f"{name}.py")
-  module = importlib.util.module_from_spec(spec)
-  sys.modules[name] = module  # dataclasses look their module up
-  spec.loader.exec_module(module)
-  return module
 
 
 def results_dir(device: jax.Device) -> pathlib.Path:
@@ -72,7 +61,7 @@ def main(argv: list[str] | None = None) -> dict:
       continue
     print(f"\n=== {name} {' '.join(bench_args)}", flush=True)
     start = time.perf_counter()
-    load(name).main(bench_args)
+    importlib.import_module(name).main(bench_args)  # a script beside this one
     record["seconds"][name] = time.perf_counter() - start
   (out_dir / "device.json").write_text(json.dumps(record, indent=2) + "\n")
   print(f"\nwrote {out_dir}")

@@ -25,7 +25,6 @@ import argparse
 import json
 import pathlib
 import re
-import sys
 import time
 
 import jax
@@ -39,9 +38,9 @@ import optax
 
 import optax_gsam
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from _common import render_table
-from step_cost import ViT
+import harness
+from harness import render_table
+from models import ViT
 
 AXIS = "data"
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
@@ -69,10 +68,7 @@ def make_step(model, sharpness):
   def step(params, opt_state, batch):
     images, labels = batch
 
-    def loss_fn(p):
-      logits = model.apply(p, images)
-      return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
-
+    loss_fn = lambda p: harness.cross_entropy(model.apply(p, images), labels)
     loss, grads = jax.value_and_grad(loss_fn)(params)
     if sharpness is None:
       grads = jax.lax.pmean(grads, AXIS)
@@ -116,45 +112,31 @@ def measure(args) -> list[dict]:
   params = model.init(jax.random.key(0), images[:1])
   param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
 
-  runs = {}
+  timed, hlo = {}, {}
   chosen = {name: t for name, t in contenders().items() if name in args.contenders}
   for name, sharpness in chosen.items():
     tx, step = make_step(model, sharpness)
-    train_step = optax_gsam.data_parallel(step, mesh, axis_name=AXIS)
     state = tx.init(params)
     start = time.perf_counter()
+    train_step = optax_gsam.data_parallel(step, mesh, axis_name=AXIS)
     compiled = train_step.lower(params, state, (images, labels)).compile()
-    compile_seconds = time.perf_counter() - start
-    runs[name] = dict(
-      step=compiled,
-      carry=(params, state),
-      compile_seconds=compile_seconds,
-      hlo=all_reduce_stats(compiled.as_text()),
-      times=[],
+    advance = lambda s, c=compiled: c(s[0], s[1], (images, labels))
+    timed[name] = harness.Timed(
+      (advance,), (params, state, None), compile_s=time.perf_counter() - start
     )
+    hlo[name] = all_reduce_stats(compiled.as_text())
 
-  for _ in range(args.rounds):  # Interleaved, so drift hits every contender alike.
-    for run in runs.values():
-      p, s = run["carry"]
-      start = time.perf_counter()
-      for _ in range(args.steps_per_round):
-        p, s, loss = run["step"](p, s, (images, labels))
-      loss.block_until_ready()
-      run["times"].append((time.perf_counter() - start) / args.steps_per_round)
-      run["carry"] = (p, s)
-
-  base_time = float(np.median(runs["base"]["times"]))
+  times = harness.interleaved(timed, "base", rounds=args.rounds, steps=args.steps_per_round)
   rows = []
-  for name, run in runs.items():
-    median = float(np.median(run["times"]))
+  for name in timed:
     rows.append(
       {
         "contender": name,
-        **run["hlo"],
+        **hlo[name],
         "gradient_bytes": int(param_bytes),
-        "step_ms": 1e3 * median,
-        "ratio_to_base": median / base_time,
-        "compile_s": run["compile_seconds"],
+        "step_ms": times[name]["ms"],
+        "ratio_to_base": times[name]["ratio"],
+        "compile_s": timed[name].compile_s,
       }
     )
   return rows

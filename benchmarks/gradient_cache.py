@@ -15,16 +15,13 @@ full batch is small enough to run, interleaved over rounds (median).
     python benchmarks/gradient_cache.py            # full: batches up to 16384, timing at 256 and 1024
     python benchmarks/gradient_cache.py --quick    # about a minute on 2 cores
 
-Writes ``benchmarks/results/gradient_cache.json`` and ``gradient_cache.png``.
+Writes ``results/gradient_cache[_quick].json`` and a PNG; targets and results in
+benchmarks/README.md.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import pathlib
-import platform
-import time
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -32,7 +29,7 @@ import numpy as np
 
 import optax_gsam
 
-RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+import harness
 
 
 def init_tower(key, features, width, depth, mlp, out):
@@ -112,25 +109,18 @@ def compiled(fn, params, spec):
 
 
 def time_variants(fns, params, batch, rounds):
-  """Median seconds per call of every variant, interleaved over rounds."""
-  for fn in fns.values():
-    jax.block_until_ready(fn(params, batch))
-  samples = {name: [] for name in fns}
-  for _ in range(rounds):
-    for name, fn in fns.items():
-      start = time.perf_counter()
-      jax.block_until_ready(fn(params, batch))
-      samples[name].append(time.perf_counter() - start)
-  return {name: float(np.median(s)) for name, s in samples.items()}
+  """Per variant: median seconds per call and median ratio to ``full``, interleaved over rounds."""
+  timed = {name: harness.Timed((lambda _, fn=fn: fn(params, batch),)) for name, fn in fns.items()}
+  for t in timed.values():
+    t.run(1)  # compile and warm up
+  times = harness.interleaved(timed, "full", rounds=rounds, steps=1)
+  return {name: t["ms"] / 1e3 for name, t in times.items()}, {
+    n: t["ratio"] for n, t in times.items()
+  }
 
 
 def plot(memory, path):
-  import matplotlib
-
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
-  fig, ax = plt.subplots(figsize=(6, 4))
+  fig, ax = harness.figure(figsize=(6, 4))
   for name, by_batch in memory.items():
     sizes = sorted(int(b) for b in by_batch)
     ax.plot(sizes, [by_batch[str(b)] / 2**20 for b in sizes], marker="o", label=name)
@@ -141,17 +131,14 @@ def plot(memory, path):
   ax.set_title("Two-tower transformer, CLIP loss: value_and_grad memory")
   ax.grid(True, which="both", alpha=0.3)
   ax.legend()
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
+  harness.save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> dict:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--quick", action="store_true", help="about a minute on 2 CPU cores")
+  parser = harness.parser(__doc__)
   parser.add_argument("--chunk", type=int, default=128)
   parser.add_argument("--tile", type=int, default=128)
   parser.add_argument("--rounds", type=int, default=None)
-  parser.add_argument("--out-dir", type=pathlib.Path, default=RESULTS)
   args = parser.parse_args(argv)
 
   config = dict(
@@ -164,19 +151,21 @@ def main(argv: list[str] | None = None) -> dict:
   params, embed, batch_spec = make_problem(config)
   fns = variants(embed, args.chunk, args.tile)
 
-  memory = {name: {} for name in fns}
-  for batch in memory_batches:
-    for name, fn in fns.items():
-      stats = compiled(fn, params, batch_spec(batch)).memory_analysis()
-      memory[name][str(batch)] = int(stats.temp_size_in_bytes)
+  memory = {
+    name: {
+      str(b): int(compiled(fn, params, batch_spec(b)).memory_analysis().temp_size_in_bytes)
+      for b in memory_batches
+    }
+    for name, fn in fns.items()
+  }
 
-  timing = {}
+  timing, time_ratios = {}, {}
   rng = np.random.default_rng(0)
   for batch in timing_batches:
     spec = batch_spec(batch)
     data = jax.tree.map(lambda s: jnp.asarray(rng.normal(size=s.shape), s.dtype), spec)
     jitted = {name: jax.jit(fn) for name, fn in fns.items()}
-    timing[str(batch)] = time_variants(jitted, params, data, rounds)
+    timing[str(batch)], time_ratios[str(batch)] = time_variants(jitted, params, data, rounds)
 
   print(f"Two-tower transformer {config}, chunk {args.chunk}, tile {args.tile}")
   print("\ncompiled temp memory (MiB)")
@@ -186,22 +175,22 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"{batch:>8} {cells}")
   tiled = memory["cached+tiled"]
   memory_ratio = tiled["16384"] / tiled["1024"]
-  print(f"cached+tiled temp memory, batch 16384 / batch 1024: {memory_ratio:.2f}x (target <= 1.5x)")
 
   print("\nseconds per value_and_grad (median), ratio to full batch")
   print(f"{'batch':>8} " + " ".join(f"{n:>22}" for n in fns))
-  time_ratios = {}
   for batch, times in timing.items():
-    ratios = {n: times[n] / times["full"] for n in fns}
-    time_ratios[batch] = ratios
+    ratios = time_ratios[batch]
     cells = " ".join(f"{times[n]:10.3f}s ({ratios[n]:5.2f}x)" for n in fns)
     print(f"{batch:>8} {cells}")
   worst = max(r[n] for r in time_ratios.values() for n in ("cached", "cached+tiled"))
-  print(f"worst cached / full time ratio: {worst:.2f}x (target <= 1.35x)")
+  checks = [
+    harness.check(
+      "cached+tiled temp memory, batch 16384 / 1024 <= 1.5", memory_ratio, memory_ratio <= 1.5
+    ),
+    harness.check("worst cached / full time ratio <= 1.35", worst, worst <= 1.35),
+  ]
 
-  args.out_dir.mkdir(parents=True, exist_ok=True)
   result = {
-    "command": "python benchmarks/gradient_cache.py" + (" --quick" if args.quick else ""),
     "config": config,
     "chunk_size": args.chunk,
     "tile_size": args.tile,
@@ -210,16 +199,12 @@ def main(argv: list[str] | None = None) -> dict:
     "seconds": timing,
     "time_ratio_to_full": time_ratios,
     "worst_time_ratio": worst,
-    "machine": {
-      "platform": platform.platform(),
-      "devices": str(jax.devices()[0].device_kind),
-      "jax": jax.__version__,
-    },
+    "targets": checks,
   }
-  (args.out_dir / "gradient_cache.json").write_text(json.dumps(result, indent=2) + "\n")
-  plot(memory, args.out_dir / "gradient_cache.png")
-  print(f"\nwrote {args.out_dir / 'gradient_cache.json'} and gradient_cache.png")
-  return result
+  draw = None if args.no_plot else functools.partial(plot, memory)
+  return harness.save(
+    "gradient_cache", "quick" if args.quick else "full", result, args.out_dir, argv, draw
+  )
 
 
 if __name__ == "__main__":

@@ -39,7 +39,6 @@ import argparse
 import json
 import os
 import pathlib
-import sys
 import time
 
 import jax
@@ -129,8 +128,8 @@ def main(argv: list[str] | None = None) -> dict:
 
   import optax_gsam
 
-  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-  from step_cost import ViT
+  import harness
+  from models import ViT
 
   if args.model == "vit_b32":
     model, image_size, classes = (
@@ -158,10 +157,7 @@ def main(argv: list[str] | None = None) -> dict:
   def per_device_step(params, opt_state, batch):
     images, labels = batch
 
-    def loss_fn(p):
-      logits = model.apply(p, images)
-      return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
-
+    loss_fn = lambda p: harness.cross_entropy(model.apply(p, images), labels)
     loss, grads = jax.value_and_grad(loss_fn)(params)
     updates, opt_state = tx.update(grads, opt_state, params, loss_fn=loss_fn, value=loss)
     return optax.apply_updates(params, updates), opt_state, jax.lax.pmean(loss, "data")

@@ -4,43 +4,28 @@ They check structure and finiteness only, never timings: a benchmark is not a
 timed unit test.
 """
 
-import importlib.util
 import json
 import math
-import sys
 from pathlib import Path
 
+import accelerator
 import flax.linen as nn
+import generalization
 import jax
 import numpy as np
-import optax
+import pareto
 import pytest
+import step_cost
 
 import optax_gsam
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+import harness
+import models
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"  # on sys.path (pyproject.toml)
 
 
-def _load(name: str):
-  """Imports ``benchmarks/<name>.py`` (the folder is not a package)."""
-  spec = importlib.util.spec_from_file_location(f"_benchmarks_{name}", BENCHMARKS / f"{name}.py")
-  module = importlib.util.module_from_spec(spec)
-  sys.modules[spec.name] = module  # dataclasses look their module up
-  spec.loader.exec_module(module)
-  return module
-
-
-@pytest.fixture(scope="module")
-def step_cost():
-  return _load("step_cost")
-
-
-@pytest.fixture(scope="module")
-def generalization():
-  return _load("generalization")
-
-
-def test_step_cost_smoke(step_cost, tmp_path):
+def test_step_cost_smoke(tmp_path):
   argv = ["--smoke", "--models", "resnet-small", "--contenders", "gsam", "optax.contrib.sam"]
   argv += ["--rounds", "1", "--steps", "1", "--out-dir", str(tmp_path), "--no-plot"]
   result = step_cost.main(argv)
@@ -57,20 +42,20 @@ def test_step_cost_smoke(step_cost, tmp_path):
   for name in ("gsam", "optax.contrib.sam"):
     assert 1.5 < rows[name]["flops_ratio_to_base"] < 2.5
   assert [c["target"] for c in saved["targets"]] == [
-    "gsam / optax.contrib.sam <= 1.02",
-    "gsam / base <= 2.05",
+    "resnet-small: gsam / optax.contrib.sam <= 1.02",
+    "resnet-small: gsam / base <= 2.05",
   ]
   assert all(isinstance(c["met"], bool) for c in saved["targets"])
   assert saved["machine"]["jax"]
 
 
-def test_generalization_smoke(generalization, tmp_path, monkeypatch):
+def test_generalization_smoke(tmp_path, monkeypatch):
   # A contender added with one line, as the cheap variants will be.
   monkeypatch.setitem(
     generalization.CONTENDERS,
     "sam_adaptive",
-    generalization.Contender(
-      lambda base, hp: optax.chain(optax_gsam.sam(hp.rho, adaptive="gsam"), base), "sam"
+    harness.Contender(
+      harness.before_base(lambda hp: optax_gsam.sam(hp.rho, adaptive="gsam")), "sam"
     ),
   )
   argv = ["--seeds", "1", "--epochs", "1", "--noise", "0.2", "--out-dir", str(tmp_path)]
@@ -80,32 +65,35 @@ def test_generalization_smoke(generalization, tmp_path, monkeypatch):
   assert saved["rows"] == result["rows"]
   assert [(r["noise"], r["contender"]) for r in saved["rows"]] == [(0.2, "sam_adaptive")]
   for row in saved["rows"]:
-    assert row["seeds"] == 1 and len(row["eval_accuracy_curve_mean"]) == 1
-    assert 0.1 < row["eval_accuracy_mean"] <= 1.0  # better than chance after an epoch
+    assert row["seeds"] == 1 and len(row["accuracy_curve_mean"]) == 1
+    assert 0.1 < row["accuracy_mean"] <= 1.0  # better than chance after an epoch
     for key in ("noise_fitted", "train_loss", "lambda_max", "gap"):
       assert math.isfinite(row[f"{key}_mean"]), key
     assert row["lambda_max_mean"] > 0
 
 
 def test_accelerator_script_refuses_the_cpu_and_plans_every_benchmark(tmp_path):
-  accelerator = _load("accelerator")
   with pytest.raises(SystemExit, match="No accelerator"):
     accelerator.main([])
   plan = accelerator.plan(tmp_path, quick=True)
   assert set(plan) == {"step_cost", "generalization", "gradient_cache"}
   for name, args in plan.items():
-    source = (BENCHMARKS / f"{name}.py").read_text()
+    source = (BENCHMARKS / f"{name}.py").read_text() + (BENCHMARKS / "harness.py").read_text()
     for flag in (a for a in args if a.startswith("--")):
       assert f'"{flag}"' in source, (name, flag)  # each script accepts what it is given
 
 
-@pytest.fixture(scope="module")
-def pareto():
-  return _load("pareto")
-
-
-def test_pareto_smoke(pareto, tmp_path):
-  argv = ["--quick", "--datasets", "mnist1d", "--contenders", "adaptive", "--no-vit"]
+def test_pareto_smoke(tmp_path):
+  argv = [
+    "--quick",
+    "--datasets",
+    "mnist1d",
+    "--noise",
+    "0",
+    "--contenders",
+    "adaptive",
+    "--no-vit",
+  ]
   argv += ["--out-dir", str(tmp_path), "--no-plot"]
   result = pareto.main(argv)
   saved = json.loads((tmp_path / "pareto_quick.json").read_text())
@@ -125,7 +113,7 @@ def test_pareto_smoke(pareto, tmp_path):
   assert saved["machine"]["jax"]
 
 
-def test_pareto_step_cost_formula(pareto):
+def test_pareto_step_cost_formula():
   costs = {
     "base": {"ratio": 1.0, "flops_ratio": 1.0, "ms": 1.0},
     "p/full": {"ratio": 2.0, "flops_ratio": 2.0, "ms": 2.0},
@@ -137,26 +125,59 @@ def test_pareto_step_cost_formula(pareto):
   assert pareto.step_cost_of(pareto.CONTENDERS["base"], costs, "base", 0.0, 100)["step_cost"] == 1
 
 
-def test_pareto_patch_convolution_is_a_convolution(pareto):
+def test_patch_convolution_is_a_convolution():
   x = jax.random.normal(jax.random.key(0), (3, 40, 2))
   conv = nn.Conv(7, (5,), strides=2, padding=1)
   params = conv.init(jax.random.key(1), x)["params"]
-  patch = pareto.PatchConv1D(7, 5, stride=2, padding=1)
+  patch = models.PatchConv1D(7, 5, stride=2, padding=1)
   as_dense = {
     "params": {"Dense_0": {"kernel": params["kernel"].reshape(10, 7), "bias": params["bias"]}}
   }
   np.testing.assert_allclose(patch.apply(as_dense, x), conv.apply({"params": params}, x), atol=1e-5)
 
 
-def test_pareto_data_and_schedules(pareto):
-  data = pareto.load_mnist1d(0.4, seed=0, num_samples=200)  # made locally, never downloaded
+def test_pareto_data_and_schedules():
+  data = models.load_mnist1d(0.4, seed=0, num_samples=200)  # made locally, never downloaded
   assert data.x_train.shape == (160, 40) and data.x_test.shape == (40, 40)
-  clean = pareto.load_mnist1d(0.0, seed=0, num_samples=200)
+  clean = models.load_mnist1d(0.0, seed=0, num_samples=200)
   assert 0.2 < np.mean(data.y_train != clean.y_train) < 0.6
   assert np.array_equal(data.y_test, clean.y_test)
   rho = pareto.late_rho(0.1, 100)
   assert float(rho(74)) == 0.0 and float(rho(75)) == pytest.approx(0.1)
   for name in ("every-2", "every-5", "every-10", "adaptive", "random", "late-phase"):
-    assert name in pareto.available(pareto.CONTENDERS), name
+    assert name in harness.available(pareto.CONTENDERS), name
   for name, task in pareto.tasks("full").items():
     assert set(pareto.DEFAULTS[name]) == set(task.noise_levels)
+    assert set(pareto.grids(name)) | {"base"} == set(pareto.TUNED_WITH)
+
+
+def test_paper_rho_is_rho_from_lr_of_the_real_learning_rate():
+  """GSAM's rho as its paper runs it, for a traced peak rho: the formula with rho_min = rho / 6."""
+  num_steps, lr, rho = 200, 3e-3, 0.3
+  unit = optax.warmup_cosine_decay_schedule(0.0, 1.0, 10, num_steps, end_value=0.01)
+  hp = harness.HParams(lr=lr, rho=rho, num_steps=num_steps, unit_lr=unit)
+  steps = np.arange(num_steps + 1)
+  got = jax.jit(jax.vmap(harness.paper_rho(hp)))(steps)
+  lr_t = lr * np.array([float(unit(t)) for t in steps], np.float64)
+  lr_max, lr_min = lr_t.max(), lr_t[-1]
+  want = rho / 6 + (rho - rho / 6) * (lr_t - lr_min) / (lr_max - lr_min)
+  np.testing.assert_allclose(got, np.clip(want, rho / 6, rho), rtol=1e-5)
+  assert harness.paper_rho(harness.HParams(rho=rho)) == rho  # a constant lr: constant rho
+
+
+def test_interleaved_pairs_every_sample_with_a_base_run():
+  calls = []
+  timed = {
+    name: harness.Timed((lambda s, name=name: calls.append(name) or s,))
+    for name in ("base", "a", "b")
+  }
+  out = harness.interleaved(timed, "base", rounds=3, steps=2, paired=True)
+  assert calls.count("base") == 2 * 3 * 2 and calls.count("a") == calls.count("b") == 3 * 2
+  for i in range(0, len(calls), 4):  # each pair: base and the other, 2 steps each
+    assert sorted(set(calls[i : i + 4])) in (["a", "base"], ["b", "base"])
+  assert len(out["base"]["seconds"]) == 6 and len(out["a"]["seconds"]) == 3
+  assert out["base"]["ratio"] == 1.0
+  calls.clear()
+  out = harness.interleaved(timed, "base", rounds=3, steps=1)
+  assert sorted(calls) == sorted(["base", "a", "b"] * 3)
+  assert all(len(t["seconds"]) == 3 for t in out.values())

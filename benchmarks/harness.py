@@ -1,0 +1,609 @@
+"""What the benchmark scripts share: contenders, vmapped training, tuning, timing and results.
+
+A script imports it as ``import harness``: running ``python benchmarks/<script>.py`` puts
+the script's folder on ``sys.path``, and pytest adds the folder through ``pythonpath``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import os
+import platform
+import random
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+from typing import Literal
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import optax_gsam
+from optax_gsam import demo
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+WEIGHT_DECAY = 1e-4
+# rho_min / rho_max of big_vision's ViT GSAM config (0.1 / 0.6, docs/big_vision_migration.md).
+PAPER_RHO_MIN_RATIO = 0.1 / 0.6
+cross_entropy = demo.cross_entropy
+
+
+# ----------------------------------------------------------------------------- provenance
+
+
+def code_version() -> dict[str, Any]:
+  """The optax_gsam commit measured, and whether its package sources differ from it."""
+  root = Path(optax_gsam.__file__).resolve().parents[1]
+  try:
+    git = lambda *a: subprocess.run(
+      ["git", "-C", str(root), *a], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    return {
+      "commit": git("rev-parse", "HEAD"),
+      "dirty": bool(git("status", "--porcelain", "optax_gsam")),
+    }
+  except (OSError, subprocess.CalledProcessError):
+    return {"commit": os.environ.get("OPTAX_GSAM_COMMIT", "unknown"), "dirty": None}
+
+
+def machine() -> dict[str, str]:
+  """Where the numbers were measured."""
+  cpu = platform.processor() or "unknown"
+  try:
+    with open("/proc/cpuinfo") as f:
+      models = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+    cpu = models[0] if models else cpu
+  except OSError:
+    pass
+  return {
+    "nproc": str(os.cpu_count()),
+    "cpu": cpu,
+    "jax": jax.__version__,
+    "optax": optax.__version__,
+    "backend": jax.default_backend(),
+    "device": jax.devices()[0].device_kind,
+  }
+
+
+# ----------------------------------------------------------------------------- contenders
+
+
+@dataclasses.dataclass(frozen=True)
+class HParams:
+  """What a contender factory may read; under ``vmap`` lr, rho and alpha are traced.
+
+  Attributes:
+    lr: the peak learning rate.
+    rho: the perturbation radius (for a rho schedule, its peak).
+    alpha: GSAM's surrogate-gap weight.
+    num_steps: the steps of the run.
+    key: a PRNG key for a policy that draws.
+    unit_lr: the learning-rate schedule divided by its peak (``None``: constant).
+  """
+
+  lr: Any = 1e-3
+  rho: Any = 0.05
+  alpha: Any = 0.3
+  num_steps: int = 1000
+  key: jax.Array | None = None
+  unit_lr: optax.Schedule | None = None
+
+
+Protocol = Literal["loss_fn", "grad_fn", "no_clean", "plain"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Contender:
+  """An optimizer factory, how its ``update`` is called, and whose tuned values it uses.
+
+  Attributes:
+    make: ``(base_optimizer, hparams) -> optimizer``.
+    hparams: the key of the tuned values it uses (``"base"``, ``"sam"``, ``"gsam"``, ...).
+    protocol: ``"loss_fn"`` calls ``update(grads, state, params, loss_fn=loss_fn,
+      value=loss)``; ``"grad_fn"`` passes ``grad_fn=lambda p, _: jax.grad(loss_fn)(p)``
+      (``optax.contrib.sam``); ``"no_clean"`` is ``"loss_fn"`` with zeros for the clean
+      gradient and no clean pass (momentum-SAM); ``"plain"`` passes nothing.
+    branches: the static branches its steps take (``"full"``: ``perturb=True``, ``"cheap"``:
+      ``perturb=False``; ``()`` for the base optimizer, ``(None,)`` for a transform without one).
+    requires: names ``optax_gsam`` must export; without them the contender is left out.
+    cheap_policy: whether it is a cheap-step policy (pareto.py's target (a)).
+  """
+
+  make: Callable[[optax.GradientTransformation, HParams], optax.GradientTransformation]
+  hparams: str = "base"
+  protocol: Protocol = "loss_fn"
+  branches: tuple[str | None, ...] = ("full",)
+  requires: tuple[str, ...] = ()
+  cheap_policy: bool = False
+
+
+def before_base(transform: Callable[[HParams], optax.GradientTransformation]) -> Callable:
+  """A contender factory that chains ``transform(hparams)`` before the base optimizer."""
+  return lambda base, hp: optax.chain(transform(hp), base)
+
+
+def paper_rho(hp: HParams) -> optax.ScalarOrSchedule:
+  """GSAM's rho as its paper runs it: ``rho_from_lr`` from ``hp.rho`` down to a sixth of it.
+
+  ``rho_from_lr`` is linear in the learning rate, so the schedule of the unit learning rate
+  scaled by the (possibly traced) ``hp.rho`` is ``rho_from_lr(lr, rho, rho / 6)`` itself.
+  """
+  if hp.unit_lr is None:
+    return hp.rho
+  with jax.ensure_compile_time_eval():  # rho_from_lr reads the schedule's peak: not traced
+    unit = optax_gsam.rho_from_lr(hp.unit_lr, 1.0, PAPER_RHO_MIN_RATIO, num_steps=hp.num_steps)
+  return lambda count: hp.rho * unit(count)
+
+
+CONTENDERS: dict[str, Contender] = {
+  "base": Contender(lambda base, hp: base, "base", "plain", ()),
+  "sam": Contender(before_base(lambda hp: optax_gsam.sam(hp.rho)), "sam"),
+  "gsam": Contender(before_base(lambda hp: optax_gsam.gsam(hp.rho, hp.alpha)), "gsam"),
+  "gsam-lr": Contender(before_base(lambda hp: optax_gsam.gsam(paper_rho(hp), hp.alpha)), "gsam-lr"),
+}
+
+
+def available(contenders: dict[str, Contender]) -> dict[str, Contender]:
+  """The contenders whose ``requires`` the installed ``optax_gsam`` exports."""
+  return {
+    name: c for name, c in contenders.items() if all(hasattr(optax_gsam, r) for r in c.requires)
+  }
+
+
+def base_optimizer(lr: optax.ScalarOrSchedule = 1e-3) -> optax.GradientTransformation:
+  """The optimizer every contender wraps: AdamW, weight decay 1e-4."""
+  return optax.adamw(lr, weight_decay=WEIGHT_DECAY)
+
+
+def train_step(
+  model: nn.Module,
+  tx: optax.GradientTransformation,
+  contender: Contender,
+  perturb: bool | None = None,
+) -> Callable:
+  """``(params, opt_state, x, y) -> (params, opt_state, loss)``; ``perturb`` fixes the branch."""
+
+  def step(params, opt_state, x, y):
+    loss_fn = lambda p: cross_entropy(model.apply(p, x), y)
+    if contender.protocol == "no_clean":  # the transform ignores the values: no clean pass
+      loss, grads = jnp.zeros([], jnp.float32), optax.tree.zeros_like(params)
+    else:
+      loss, grads = jax.value_and_grad(loss_fn)(params)
+    extra: dict[str, Any] = {}
+    if contender.protocol == "grad_fn":
+      extra = {"grad_fn": lambda p, _: jax.grad(loss_fn)(p)}
+    elif contender.protocol != "plain":
+      extra = {"loss_fn": loss_fn, "value": loss}
+      if perturb is not None:
+        extra["perturb"] = perturb
+    updates, opt_state = tx.update(grads, opt_state, params, **extra)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  return step
+
+
+# ----------------------------------------------------------------------------- training
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+  """A data set, the model trained on it and its training budget."""
+
+  name: str
+  model: nn.Module
+  load: Callable[[float, int], demo.Digits]
+  noise_levels: tuple[float, ...]
+  batch_size: int
+  epochs: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+  """One training run: its label noise, seed and hyperparameters."""
+
+  noise: float
+  seed: int
+  lr: float
+  rho: float
+  alpha: float = 0.0
+
+
+def _full_steps(opt_state: Any, contender: Contender, num_steps: int) -> jax.Array:
+  if not contender.branches:
+    return jnp.zeros([], jnp.int32)
+  if contender.branches == (None,):
+    return jnp.asarray(num_steps, jnp.int32)
+  return optax.tree.get(opt_state, "full_steps")
+
+
+def make_train(
+  contender: Contender,
+  task: Task,
+  x_train: np.ndarray,
+  x_eval: np.ndarray,
+  *,
+  curves: bool = False,
+  final_metrics: Callable | None = None,
+) -> tuple[Callable, int]:
+  """A jitted, vmapped ``(lr, rho, alpha, key, y_train, y_eval, y_clean) -> metrics`` and its steps.
+
+  AdamW with a linear warmup (5% of the steps) and a cosine decay to 1% of the peak.
+  ``final_metrics(full_loss, params, key)`` adds entries measured after training.
+  """
+  model, n, batch = task.model, len(x_train), task.batch_size
+  steps_per_epoch = n // batch
+  num_steps = task.epochs * steps_per_epoch
+  unit_lr = optax.warmup_cosine_decay_schedule(
+    0.0, 1.0, max(1, num_steps // 20), num_steps, end_value=0.01
+  )
+  x_train, x_eval = jnp.asarray(x_train), jnp.asarray(x_eval)
+
+  def train_one(lr, rho, alpha, key, y_train, y_eval, y_clean):
+    base = base_optimizer(lambda count: lr * unit_lr(count))
+    init_key, data_key, extra_key = jax.random.split(key, 3)
+    tx = contender.make(base, HParams(lr, rho, alpha, num_steps, extra_key, unit_lr))
+    step = train_step(model, tx, contender)
+    accuracy = lambda p: jnp.mean(jnp.argmax(model.apply(p, x_eval), axis=-1) == y_eval)
+
+    def batch_step(carry, idx):
+      params, opt_state, loss = step(*carry, x_train[idx], y_train[idx])
+      return (params, opt_state), loss
+
+    def epoch(carry, epoch_key):
+      order = jax.random.permutation(epoch_key, n)[: steps_per_epoch * batch]
+      carry, losses = jax.lax.scan(batch_step, carry, order.reshape(steps_per_epoch, batch))
+      if not curves:
+        return carry, None
+      return carry, (losses.mean(), accuracy(carry[0]))
+
+    params = model.init(init_key, x_train[:1])
+    (params, opt_state), curve = jax.lax.scan(
+      epoch, (params, tx.init(params)), jax.random.split(data_key, task.epochs)
+    )
+    full_loss = lambda p: cross_entropy(model.apply(p, x_train), y_train)
+    fitted = jnp.argmax(model.apply(params, x_train), axis=-1) == y_train
+    corrupted = y_train != y_clean
+    out = {
+      "accuracy": accuracy(params),
+      "train_loss": full_loss(params),
+      "noise_fitted": jnp.sum(fitted & corrupted) / jnp.maximum(jnp.sum(corrupted), 1),
+      "full_steps": _full_steps(opt_state, contender, num_steps),
+    }
+    if curves:
+      out["train_loss_curve"], out["accuracy_curve"] = curve
+    if final_metrics is not None:
+      out.update(final_metrics(full_loss, params, extra_key))
+    return out
+
+  return jax.jit(jax.vmap(train_one)), num_steps
+
+
+def run_batch(
+  contender: Contender,
+  task: Task,
+  runs: list[Run],
+  *,
+  validation: bool,
+  curves: bool = False,
+  final_metrics: Callable | None = None,
+  compiler_options: dict | None = None,
+) -> tuple[list[dict], int]:
+  """Trains every run of one contender together; one metrics dict per run, and the steps.
+
+  With ``validation``, the model trains on 80% of the training set (a fixed
+  permutation) and is evaluated on the other 20%, whose labels are as noisy as the
+  training labels; otherwise it trains on the whole training set and is evaluated
+  on the clean test set.
+  """
+  datasets = [task.load(r.noise, r.seed) for r in runs]
+  first, clean = datasets[0], task.load(0.0, 0).y_train
+  train_idx = eval_idx = slice(None)
+  if validation:
+    order = np.random.default_rng(0).permutation(len(clean))
+    train_idx, eval_idx = order[: int(0.8 * len(order))], order[int(0.8 * len(order)) :]
+  x_train = first.x_train[train_idx]
+  x_eval = first.x_train[eval_idx] if validation else first.x_test
+  y_eval = [d.y_train[eval_idx] if validation else d.y_test for d in datasets]
+  train, num_steps = make_train(
+    contender, task, x_train, x_eval, curves=curves, final_metrics=final_metrics
+  )
+  as_array = lambda field: jnp.asarray([getattr(r, field) for r in runs], jnp.float32)
+  inputs = (
+    as_array("lr"),
+    as_array("rho"),
+    as_array("alpha"),
+    jax.vmap(jax.random.key)(jnp.asarray([r.seed for r in runs])),
+    np.stack([d.y_train[train_idx] for d in datasets]),
+    np.stack(y_eval),
+    np.stack([clean[train_idx]] * len(runs)),
+  )
+  out = jax.tree.map(np.asarray, train.lower(*inputs).compile(compiler_options)(*inputs))
+  return [{k: v[i].tolist() for k, v in out.items()} for i in range(len(runs))], num_steps
+
+
+def tune(
+  task: Task,
+  contenders: dict[str, Contender],
+  lr_grid: Sequence[float],
+  grids: dict[str, tuple[Sequence[float], Sequence[float]]],
+  *,
+  seeds: int,
+  compiler_options: dict | None = None,
+) -> tuple[dict, dict]:
+  """Per noise level: the base learning rate, then each key's (rho, alpha) at that learning rate.
+
+  Args:
+    task: what to train; every noise level of it is tuned separately.
+    contenders: per hyperparameter key (``"base"`` and those of ``grids``), the contender
+      that is trained to tune it.
+    lr_grid: the base learning rates tried.
+    grids: per key, its grid of rho values and its grid of alpha values.
+    seeds: seeds per grid point; the score is the mean validation accuracy.
+    compiler_options: passed to XLA.
+
+  Returns:
+    The chosen values, ``{noise: {key: {"lr", "rho", "alpha"}}}``, and the whole sweep.
+  """
+  sweep: dict[str, list[dict]] = {}
+
+  def evaluate(key: str, points: dict[float, list[tuple[float, float, float]]]) -> dict:
+    runs = [
+      Run(noise, s, *point)
+      for noise, grid in points.items()
+      for point in grid
+      for s in range(seeds)
+    ]
+    metrics, _ = run_batch(
+      contenders[key], task, runs, validation=True, compiler_options=compiler_options
+    )
+    best: dict[float, dict] = {}
+    for i in range(0, len(runs), seeds):
+      run = runs[i]
+      acc = float(np.mean([m["accuracy"] for m in metrics[i : i + seeds]]))
+      point = {"noise": run.noise, "lr": run.lr, "rho": run.rho, "alpha": run.alpha}
+      sweep.setdefault(key, []).append({**point, "val_accuracy": acc})
+      print(f"  tune {task.name} {key:8s} {point}: val acc {100 * acc:.2f}%", flush=True)
+      if run.noise not in best or acc > best[run.noise][1]:
+        best[run.noise] = ({"lr": run.lr, "rho": run.rho, "alpha": run.alpha}, acc)
+    return {noise: point for noise, (point, _) in best.items()}
+
+  noises = task.noise_levels
+  chosen = {
+    n: {"base": p}
+    for n, p in evaluate("base", {n: [(lr, 0.0, 0.0) for lr in lr_grid] for n in noises}).items()
+  }
+  for key, (rhos, alphas) in grids.items():
+    points = {n: [(chosen[n]["base"]["lr"], r, a) for r in rhos for a in alphas] for n in noises}
+    for n, point in evaluate(key, points).items():
+      chosen[n][key] = point
+  return chosen, sweep
+
+
+# ----------------------------------------------------------------------------- timing
+
+
+def hlo_stats(compiled: Any) -> dict[str, float]:
+  """Deterministic facts about a compiled step: XLA's cost analysis and HLO op counts."""
+  cost = compiled.cost_analysis()
+  if isinstance(cost, list):  # older jax returns one dict per device
+    cost = cost[0]
+  text = compiled.as_text()
+  return {
+    "flops": float(cost.get("flops", float("nan"))),
+    "bytes_accessed": float(cost.get("bytes accessed", float("nan"))),
+    "reduce_ops": len(re.findall(r"\breduce\(", text)),
+    "fusions": len(re.findall(r"\bfusion\(", text)) + len(re.findall(r" fusion\.?\d* = ", text)),
+  }
+
+
+@dataclasses.dataclass
+class Timed:
+  """Functions called in turn on a live state (``state -> state``), for interleaved timing.
+
+  Attributes:
+    cycle: the functions; step ``t`` calls ``cycle[t % len(cycle)]``.
+    state: what the next call receives.
+    stats: :func:`hlo_stats` per step, averaged over the cycle.
+    compile_s: the seconds the compilation took.
+  """
+
+  cycle: tuple[Callable[[Any], Any], ...]
+  state: Any = None
+  stats: dict[str, float] = dataclasses.field(default_factory=dict)
+  compile_s: float = 0.0
+  count: int = 0
+
+  def run(self, steps: int) -> float:
+    """Runs ``steps`` calls; returns seconds per call."""
+    start = time.perf_counter()
+    for _ in range(steps):
+      self.state = self.cycle[self.count % len(self.cycle)](self.state)
+      self.count += 1
+    jax.block_until_ready(self.state)
+    return (time.perf_counter() - start) / steps
+
+
+def _advance(compiled: Callable, x: jax.Array, y: jax.Array, state: tuple) -> tuple:
+  return compiled(state[0], state[1], x, y)
+
+
+def compile_step(
+  model: nn.Module,
+  tx: optax.GradientTransformation,
+  contender: Contender,
+  params: Any,
+  x: jax.Array,
+  y: jax.Array,
+  *,
+  perturb: bool | None = None,
+  static_every: int = 0,
+  donate: bool = False,
+  compiler_options: dict | None = None,
+) -> Timed:
+  """One contender's train step on a fixed batch, compiled and warmed up.
+
+  With ``static_every=k`` the cycle is one full step (``perturb=True``) and ``k - 1`` cheap
+  ones (``perturb=False``), each a jitted step of its own; otherwise ``perturb`` fixes the
+  branch of every step (``None``: the transform decides).
+  """
+  branches = [True] + [False] * (static_every - 1) if static_every else [perturb]
+  params = jax.tree.map(jnp.copy, params)
+  opt_state = tx.init(params)
+  start = time.perf_counter()
+  compiled = {}
+  for branch in dict.fromkeys(branches):
+    step = jax.jit(
+      train_step(model, tx, contender, branch), donate_argnums=(0, 1) if donate else ()
+    )
+    compiled[branch] = step.lower(params, opt_state, x, y).compile(compiler_options)
+  compile_s = time.perf_counter() - start
+  per_branch = {branch: hlo_stats(c) for branch, c in compiled.items()}
+  stats = {k: float(np.mean([per_branch[b][k] for b in branches])) for k in per_branch[branches[0]]}
+  cycle = tuple(functools.partial(_advance, compiled[b], x, y) for b in branches)
+  timed = Timed(cycle, (params, opt_state, None), stats, compile_s)
+  timed.run(2)  # warm up
+  return timed
+
+
+def interleaved(
+  timed: dict[str, Timed],
+  base: str,
+  *,
+  rounds: int,
+  steps: int,
+  paired: bool = False,
+  seed: int = 0,
+) -> dict[str, dict[str, Any]]:
+  """Median ms per step of each entry and the median of its ratios to ``base``'s runs.
+
+  Every round visits the entries in a fresh random order, each for ``steps`` calls.
+  Unpaired, each entry runs once a round and a ratio is to ``base``'s run of the same
+  round. Paired, every other entry's run sits right next to a run of ``base`` of its
+  own (before it on even rounds, after it on odd ones), so a ratio compares two runs
+  a few milliseconds apart: the load of a shared machine changes faster than a round.
+  """
+  seconds: dict[str, list[float]] = {name: [] for name in timed}
+  against: dict[str, list[float]] = {name: [] for name in timed}
+  order = [name for name in timed if name != base or not paired]
+  shuffle = random.Random(seed)
+  for i in range(rounds):
+    shuffle.shuffle(order)
+    if not paired:
+      for name in order:
+        seconds[name].append(timed[name].run(steps))
+      for name in order:
+        against[name].append(seconds[base][-1])
+      continue
+    for name in order:
+      first, second = (base, name) if i % 2 == 0 else (name, base)
+      times = {first: timed[first].run(steps), second: timed[second].run(steps)}
+      seconds[name].append(times[name])
+      seconds[base].append(times[base])
+      against[name].append(times[base])
+  against[base] = seconds[base]
+  flops = timed[base].stats.get("flops", float("nan"))
+  return {
+    name: {
+      "ms": 1e3 * float(np.median(seconds[name])),
+      "ratio": float(np.median(np.array(seconds[name]) / np.array(against[name]))),
+      "flops_ratio": timed[name].stats.get("flops", float("nan")) / flops,
+      "seconds": seconds[name],
+    }
+    for name in timed
+  }
+
+
+# ----------------------------------------------------------------------------- results
+
+
+def mean_std(values: Sequence[float], scale: float = 1.0, digits: int = 2) -> str:
+  """``"mean ± std"`` of ``values`` times ``scale``."""
+  values = scale * np.asarray(values, np.float64)
+  return f"{values.mean():.{digits}f} ± {values.std():.{digits}f}"
+
+
+def render_table(cells: list[tuple[str, ...]]) -> str:
+  """Left-aligned columns with a dashed rule under the first (header) row."""
+  widths = [max(len(row[i]) for row in cells) for i in range(len(cells[0]))]
+  lines = [
+    "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in cells
+  ]
+  lines.insert(1, "  ".join("-" * w for w in widths))
+  return "\n".join(lines)
+
+
+def check(target: str, value: float | str, met: bool) -> dict:
+  """One target's verdict; printed as ``target: value -> met``."""
+  shown = f"{value:.3f}" if isinstance(value, float) else value
+  print(f"{target}: {shown} -> {'met' if met else 'MISSED'}")
+  return {"target": target, "value": value, "met": bool(met)}
+
+
+def parser(description: str, contenders: Sequence[str] = ()) -> argparse.ArgumentParser:
+  """The flags every benchmark takes: ``--quick``, ``--out-dir``, ``--no-plot`` (and ``--contenders``)."""
+  out = argparse.ArgumentParser(description=description.splitlines()[0])
+  out.add_argument("--quick", action="store_true", help="a short run (see the script's docstring)")
+  out.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
+  out.add_argument("--no-plot", action="store_true")
+  if contenders:
+    out.add_argument("--contenders", nargs="*", default=None, help=f"subset of {list(contenders)}")
+  return out
+
+
+def save(
+  name: str,
+  mode: str,
+  result: dict,
+  out_dir: Path,
+  argv: Sequence[str] | None,
+  plot: Callable[[Path], None] | None = None,
+  suffix: str = "",
+) -> dict:
+  """Adds the command, machine and code to ``result``; writes ``<name>[_<mode>]<suffix>.json``.
+
+  ``plot(path)``, when given, draws the PNG of the same name.
+  """
+  argv = sys.argv[1:] if argv is None else argv
+  result = {
+    "benchmark": name,
+    "mode": mode,
+    "command": " ".join(["python", f"benchmarks/{name}.py", *argv]),
+    "machine": machine(),
+    "code": code_version(),
+    **result,
+  }
+  stem = (name if mode == "full" else f"{name}_{mode}") + suffix
+  out_dir.mkdir(parents=True, exist_ok=True)
+  (out_dir / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
+  if plot is not None:
+    plot(out_dir / f"{stem}.png")
+  return result
+
+
+def figure(*args, **kwargs) -> tuple[Any, Any]:
+  """``plt.subplots`` on the Agg backend (no display needed)."""
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  return plt.subplots(*args, **kwargs)
+
+
+def save_figure(fig: Any, path: Path) -> None:
+  import matplotlib.pyplot as plt
+
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
