@@ -69,9 +69,8 @@ from jax.sharding import SingleDeviceSharding
 
 import optax_gsam
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from _common import code_version
-from _common import render_table
+from harness import code_version  # the benchmarks folder is on sys.path when a script runs
+from harness import render_table
 
 AXIS = "data"
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
