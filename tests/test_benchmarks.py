@@ -13,6 +13,7 @@ import flax.linen as nn
 import generalization
 import jax
 import numpy as np
+import optax
 import pareto
 import pytest
 import step_cost
