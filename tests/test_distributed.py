@@ -90,8 +90,8 @@ def mesh():
   return jax.make_mesh((NUM_DEVICES,), ("data",))
 
 
-@pytest.mark.parametrize("sync", [False, True])
-def test_shard_map_matches_float64_reference(mesh, sync):
+def _three_steps_against_the_reference(mesh, sync):
+  """Three data_parallel steps on ``mesh``, checked against the float64 reference; the params."""
   with jax.enable_x64(True):
     params, x, t = make_data(1)
     tx = make_tx(sync)
@@ -100,6 +100,12 @@ def test_shard_map_matches_float64_reference(mesh, sync):
     for _ in range(3):
       p, state, _ = step(p, state, (jnp.asarray(x), jnp.asarray(t)))
     np.testing.assert_allclose(flatten(p), run_reference(params, x, t, sync, 3), rtol=1e-10)
+  return p
+
+
+@pytest.mark.parametrize("sync", [False, True])
+def test_shard_map_matches_float64_reference(mesh, sync):
+  _three_steps_against_the_reference(mesh, sync)
 
 
 @pytest.mark.parametrize("sync", [False, True])
@@ -107,15 +113,8 @@ def test_classic_mesh_with_auto_axes_matches_float64_reference(sync):
   # Mesh(np.array(devices), names) has Auto axes, which jax.reshard refuses (issue 17).
   classic = Mesh(np.array(jax.devices()[:NUM_DEVICES]), ("data",))
   assert classic.axis_types == (AxisType.Auto,)
-  with jax.enable_x64(True):
-    params, x, t = make_data(1)
-    tx = make_tx(sync)
-    step = optax_gsam.data_parallel(functools.partial(per_device_step, tx), classic)
-    p, state = jax.tree.map(jnp.asarray, params), tx.init(params)
-    for _ in range(3):
-      p, state, _ = step(p, state, (jnp.asarray(x), jnp.asarray(t)))
-    np.testing.assert_allclose(flatten(p), run_reference(params, x, t, sync, 3), rtol=1e-10)
-    assert p["w"].sharding.is_fully_replicated
+  p = _three_steps_against_the_reference(classic, sync)
+  assert p["w"].sharding.is_fully_replicated
 
 
 def test_manual_mesh_axis_is_a_clear_error():
