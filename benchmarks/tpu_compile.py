@@ -449,8 +449,9 @@ def largest_batch(probe: Callable[[int], dict], start: int, step: int) -> tuple[
   return lo, probes
 
 
-def max_batch_table(mesh, config, names, dtypes, step) -> list[dict]:
-  rows = []
+def max_batch_table(mesh, config, names, dtypes, step, save=lambda rows: None) -> list[dict]:
+  """The largest batch of each contender and dtype; ``save(rows)`` runs after each one."""
+  rows: list[dict] = []
   for name in names:
     for dtype in dtypes:
       probe = lambda b, name=name, dtype=dtype: probe_batch(
@@ -459,6 +460,7 @@ def max_batch_table(mesh, config, names, dtypes, step) -> list[dict]:
       best, probes = largest_batch(probe, 64, step)
       rows.append({"contender": name, "dtype": dtype, "largest_batch": best, "probes": probes})
       print(f"  {dtype} {name}: largest per-core batch {best} ({len(probes)} compiles)", flush=True)
+      save(rows)
   return rows
 
 
@@ -658,8 +660,9 @@ def main(argv: list[str] | None = None) -> dict:
   if args.max_batch:
     result["batch_step"] = args.batch_step
     result["rows"] = max_batch_table(
-      mesh, args.config, args.contenders, args.dtypes, args.batch_step
-    )
+      mesh, args.config, args.contenders, args.dtypes, args.batch_step,
+      save=lambda rows: _write(args.out, {**result, "rows": rows}),
+    )  # fmt: skip
   else:
     result.update(per_core_batch=args.per_core_batch, time_estimate_key="optimal_seconds")
     step_table(args, mesh, result)
