@@ -5,8 +5,12 @@ they use these analytic gradients so that nothing in a reference goes through
 the package, or even through JAX's autodiff.
 """
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
+
+import optax_gsam
 
 
 def make_problem(seed: int = 0, n: int = 16, d: int = 5, k: int = 3):
@@ -51,3 +55,44 @@ def unflatten(vector: np.ndarray, like) -> dict:
     "b": vector[:nb].reshape(np.shape(like["b"])),
     "w": vector[nb:].reshape(np.shape(like["w"])),
   }
+
+
+def all_finite(tree) -> bool:
+  return all(bool(np.all(np.isfinite(np.asarray(x, np.float32)))) for x in jax.tree.leaves(tree))
+
+
+def assert_trees_equal(a, b) -> None:
+  """Bitwise equality, structure included."""
+  assert jax.tree.structure(a) == jax.tree.structure(b)
+  jax.tree.map(np.testing.assert_array_equal, a, b)
+
+
+def make_step(tx, loss_fn):
+  """A jitted train step with the clean gradient, the loss and the clean loss value."""
+
+  @jax.jit
+  def step(params, opt_state):
+    loss, grads = jax.value_and_grad(loss_fn)(params)
+    updates, opt_state = tx.update(grads, opt_state, params, loss_fn=loss_fn, value=loss)
+    return optax.apply_updates(params, updates), opt_state
+
+  return step
+
+
+# A 20-step cosine schedule, and rho following it: the schedules the reliability tests train with.
+LR = optax.cosine_decay_schedule(0.05, 20, alpha=0.1)
+RHO = optax_gsam.rho_from_lr(LR, rho_max=0.2, rho_min=0.05, num_steps=20)
+
+
+def mixed_params(params):
+  """``w`` in bfloat16, ``b`` as it is."""
+  return {"w": params["w"].astype(jnp.bfloat16), "b": params["b"]}
+
+
+def in_float32(loss_fn, params):
+  """``loss_fn`` evaluated on a float32 copy of ``params``."""
+  return loss_fn(jax.tree.map(lambda x: x.astype(jnp.float32), params))
+
+
+# Gradient scales from zero through float32's extremes.
+SCALES = [0.0, 1e-30, 1e-20, 1.0, 1e20, 1e30]

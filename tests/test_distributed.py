@@ -8,9 +8,11 @@ import numpy as np
 import optax
 import pytest
 from _problems import flatten
+from _problems import float32_problem
 from _problems import unflatten
 from jax.sharding import AxisType
 from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 import optax_gsam
 
@@ -243,3 +245,34 @@ def test_helper_argument_errors():
     optax_gsam.gsam(0.1, num_groups=2, axis_name="data")
   with pytest.raises(ValueError, match="num_groups"):
     optax_gsam.gsam(0.1, num_groups=0)
+
+
+def test_update_under_pmap_without_axis_name_raises_naming_the_axis():
+  p, loss_jax = float32_problem(seed=32)
+  tx = optax.chain(optax_gsam.gsam(0.1, 0.3), optax.sgd(0.1))
+  n = jax.local_device_count()
+
+  def wrong_step(p, state):
+    grads = jax.lax.pmean(jax.grad(loss_jax)(p), "batch")  # the user's own pmean, as before
+    updates, state = tx.update(grads, state, p, loss_fn=loss_jax)
+    return optax.apply_updates(p, updates), state
+
+  replicate = lambda tree: jax.tree.map(lambda x: jnp.broadcast_to(x, (n, *x.shape)), tree)
+  with pytest.raises(ValueError, match=r"mapped axis 'batch'.*axis_name='batch'"):
+    jax.pmap(wrong_step, axis_name="batch")(replicate(p), replicate(tx.init(p)))
+  mesh = jax.make_mesh((n,), ("data",))
+  sharded = jax.shard_map(
+    lambda p, s: tx.update(p, s, p, loss_fn=loss_jax), mesh=mesh, in_specs=P(), out_specs=P()
+  )
+  with pytest.raises(ValueError, match=r"mapped axis 'data'.*check_axis=False"):
+    jax.jit(sharded)(p, tx.init(p))
+  # Gradients that are global already (a gradient cache with its own axis_name) opt out.
+  trusted = optax_gsam.gsam(0.1, 0.3, check_axis=False)
+  opted_out = jax.shard_map(
+    lambda p, s: trusted.update(p, s, p, loss_fn=loss_jax), mesh=mesh, in_specs=P(), out_specs=P()
+  )
+  jax.jit(opted_out)(p, trusted.init(p))
+  with pytest.raises(ValueError, match="check_axis must be a bool"):
+    optax_gsam.sam(0.1, check_axis=None)
+  # Plain vmap (no axis name), e.g. over seeds, is not a data axis.
+  jax.vmap(lambda q: tx.update(q, tx.init(q), q, loss_fn=loss_jax))(replicate(p))

@@ -21,3 +21,16 @@ def test_page_examples_run(page, capsys):
   namespace = {"__name__": f"docs_{page.stem}"}
   for block in python_blocks(page):
     exec(compile(block, str(page), "exec"), namespace)
+
+
+def test_every_test_named_in_the_docs_exists():
+  """Each `file::test` that a page cites is a test function defined in that file."""
+  named = [
+    (page, module, test)
+    for page in [*PAGES, ROOT / "benchmarks" / "README.md"]
+    for module, test in re.findall(r"`(test_\w+\.py)::(test_\w+)`", page.read_text())
+  ]
+  assert sum(page.name == "guarantees.md" for page, _, _ in named) > 20
+  for page, module, test in named:
+    source = (ROOT / "tests" / module).read_text()
+    assert re.search(rf"^def {test}\(", source, re.M), f"{page.name} cites {module}::{test}"

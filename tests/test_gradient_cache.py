@@ -6,6 +6,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from hypothesis import given
+from hypothesis import settings
+from hypothesis import strategies as st
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -381,3 +384,92 @@ def test_mismatched_batch_raises():
   batch = {"image": jnp.ones((4, 7)), "text": jnp.ones((5, 5))}
   with pytest.raises(ValueError, match="axis 0"):
     fn(params, batch)
+
+
+linear = lambda p, x: x @ p["w"]
+
+
+sum_loss = lambda p, r: jnp.sum(r)
+
+
+def test_chunk_size_larger_than_the_batch_is_an_error():
+  p = {"w": jnp.ones((3, 2))}
+  fn = optax_gsam.cached_value_and_grad(linear, sum_loss, chunk_size=8)
+  with pytest.raises(ValueError, match=r"chunk_size=8 is larger than the batch, which has 5"):
+    fn(p, jnp.ones((5, 3)))
+  value, _ = fn(p, jnp.ones((8, 3)))  # chunk_size equal to the batch: one chunk
+  assert float(value) == 8 * 2 * 3
+  towers = optax_gsam.cached_value_and_grad(
+    {"query": linear, "doc": linear}, lambda p, r: jnp.sum(r["query"]) + jnp.sum(r["doc"]), chunk_size=4
+  )
+  with pytest.raises(
+    ValueError, match=r"chunk_size=4 is larger than the batch of tower \['query'\]"
+  ):
+    towers(p, {"query": jnp.ones((3, 3)), "doc": jnp.ones((12, 3))})
+
+
+def test_chunk_size_larger_than_the_local_shard_is_an_error(data_mesh):
+  mesh = data_mesh
+  fn = optax_gsam.cached_value_and_grad(linear, sum_loss, chunk_size=4, axis_name="data")
+  sharded = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P(), P("data")), out_specs=(P(), P())))
+  # 16 examples over 8 devices: 2 per shard, fewer than chunk_size.
+  with pytest.raises(ValueError, match=r"chunk_size=4 .* has 2 examples \(the local shard"):
+    sharded(
+      jax.device_put({"w": jnp.ones((3, 2))}, NamedSharding(mesh, P())),
+      jax.device_put(jnp.ones((16, 3)), NamedSharding(mesh, P("data"))),
+    )
+
+
+def test_batch_whose_leaves_disagree_on_axis_0_is_an_error():
+  p = {"w": jnp.ones((3, 2))}
+  embed = lambda q, b: b["x"] @ q["w"] + b["y"]
+  fn = optax_gsam.cached_value_and_grad(embed, sum_loss, chunk_size=2)
+  with pytest.raises(ValueError, match=r"leading sizes \['4', '6'\]"):
+    fn(p, {"x": jnp.ones((4, 3)), "y": jnp.ones((6, 1))})
+  with pytest.raises(ValueError, match=r"examples on axis 0.*None"):
+    fn(p, {"x": jnp.ones((4, 3)), "y": jnp.float32(1.0)})
+  towers = optax_gsam.cached_value_and_grad(
+    {"a": embed}, lambda q, r: jnp.sum(r["a"]), chunk_size=2
+  )
+  with pytest.raises(ValueError, match=r"batch of tower \['a'\].*leading sizes"):
+    towers(p, {"a": {"x": jnp.ones((4, 3)), "y": jnp.ones((3, 1))}})
+
+
+def embed(params, x):
+  return jnp.tanh(x @ params["w1"]) @ params["w2"]
+
+
+def temperature_contrastive_loss(params, reps):
+  logits = params["t"] * reps @ reps.T
+  return jnp.mean(jax.nn.logsumexp(logits, axis=1) - jnp.diagonal(logits))
+
+
+@settings(max_examples=6, deadline=None, derandomize=True)
+@given(
+  data=st.data(),
+  batch=st.integers(1, 12),
+  features=st.integers(1, 4),
+  hidden=st.integers(1, 5),
+  seed=st.integers(0, 2**16),
+)
+def test_cached_gradient_equals_the_full_batch_gradient(data, batch, features, hidden, seed):
+  chunk_size = data.draw(st.integers(1, batch), label="chunk_size")
+  rng = np.random.default_rng(seed)
+  with jax.enable_x64(True):
+    params = {
+      "w1": jnp.asarray(rng.normal(size=(features, hidden))),
+      "w2": jnp.asarray(rng.normal(size=(hidden, 3))),
+      "t": jnp.asarray(rng.uniform(0.5, 2.0)),
+    }
+    x = jnp.asarray(rng.normal(size=(batch, features)))
+    value, grads = optax_gsam.cached_value_and_grad(
+      embed, temperature_contrastive_loss, chunk_size=chunk_size
+    )(params, x)
+    ref_value, ref_grads = jax.value_and_grad(
+      lambda p: temperature_contrastive_loss(p, embed(p, x))
+    )(params)
+    np.testing.assert_allclose(value, ref_value, rtol=1e-12)
+    jax.tree.map(
+      lambda g, r: np.testing.assert_allclose(g, r, rtol=1e-10, atol=1e-12), grads, ref_grads
+    )
+    assert optax.tree.allclose(grads, ref_grads, rtol=1e-10, atol=1e-12)

@@ -1,5 +1,6 @@
 """The release metadata agrees with itself: floors, links, licence, typing marker, release checks."""
 
+import ast
 import importlib.util
 import pathlib
 import re
@@ -102,3 +103,34 @@ def test_committed_inventories_are_what_the_tool_writes(tmp_path, monkeypatch):
     assert committed.read_bytes() == written.read_bytes(), (
       f"{committed} is stale: run python tools/make_inventories.py"
     )
+
+
+def code_lines(function: ast.AST, source_lines: list[str]) -> int:
+  """Non-blank, non-comment lines of a function, its docstring excluded (nested ones count)."""
+  body = function.body
+  if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+    docstring = range(body[0].lineno, body[0].end_lineno + 1)
+  else:
+    docstring = range(0)
+  lines = range(function.lineno, function.end_lineno + 1)
+  return sum(
+    1
+    for n in lines
+    if n not in docstring
+    and source_lines[n - 1].strip()
+    and not source_lines[n - 1].strip().startswith("#")
+  )
+
+
+def test_no_function_in_the_package_exceeds_60_lines_of_code():
+  package = pathlib.Path(optax_gsam.__file__).parent
+  too_long = []
+  for path in sorted(package.rglob("*.py")):
+    source = path.read_text()
+    tree, lines = ast.parse(source), source.splitlines()
+    for node in ast.walk(tree):
+      if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        n = code_lines(node, lines)
+        if n > 60:
+          too_long.append(f"{path.relative_to(package)}:{node.name} ({n})")
+  assert not too_long, too_long

@@ -7,6 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _problems import SCALES
+from _problems import all_finite
 from _problems import flatten
 from _problems import float32_problem
 from _problems import make_problem
@@ -392,3 +394,19 @@ def test_a_static_zero_rho_traces_no_perturbed_pass_for_any_policy():
       grads, tx.init(params)
     )
     assert not traced, policy.name  # decided while tracing: no branch evaluates the loss
+
+
+def test_cheap_steps_with_extreme_gradients_stay_finite():
+  p, loss_fn = float32_problem(seed=3)
+  tx = optax_gsam.gsam(0.1, 0.4, perturb_every=2)
+
+  @jax.jit
+  def update(state, scale):
+    scaled = lambda q: scale * loss_fn(q)
+    return tx.update(jax.grad(scaled)(p), state, p, loss_fn=scaled)
+
+  for scale in SCALES:
+    state = tx.init(p)
+    for _ in range(3):  # full, cheap, full
+      updates, state = update(state, jnp.float32(scale))
+      assert all_finite((updates, state)), scale

@@ -8,6 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _problems import SCALES
+from _problems import all_finite
 from _problems import flatten
 from _problems import float32_problem
 from _problems import make_problem
@@ -302,3 +304,55 @@ class UpdateVariantsTest(chex.TestCase):
       chex.assert_trees_all_close(out, expected, rtol=1e-6)
       chex.assert_trees_all_close(state, reference_state, rtol=1e-6)
       p = jax.tree.map(lambda a, b: a - 0.1 * b, p, out)
+
+
+def reference_gsam(w, c, d, scale, rho, alpha, adaptive, minimize_fp):
+  """GSAM of f(w) = scale * (<c, w> + <d, w^2> / 2), numpy float64, with eps as documented."""
+
+  def grad(v):
+    return scale * (c + d * v)
+
+  def projection(dot, norm):
+    return dot / (norm * (norm + EPS)) if norm > 0 else 0.0
+
+  g_c = grad(w)
+  if adaptive is None:
+    e = rho * g_c / (np.linalg.norm(g_c) + EPS)
+  else:  # asam
+    e = rho * w**2 * g_c / (np.linalg.norm(np.abs(w) * g_c) + EPS)
+  g_p = grad((w + e).astype(np.float32).astype(np.float64))
+  if minimize_fp:
+    return g_p - alpha * (g_c - projection(g_c @ g_p, np.linalg.norm(g_p)) * g_p), g_c
+  return g_c + alpha * (g_p - projection(g_p @ g_c, np.linalg.norm(g_c)) * g_c), g_c
+
+
+@pytest.mark.parametrize("adaptive", [None, "asam"])
+@pytest.mark.parametrize("minimize_fp", [True, False])
+def test_zero_tiny_and_huge_gradients_give_finite_correct_outputs(adaptive, minimize_fp):
+  rng = np.random.default_rng(0)
+  shapes = {"a": (3, 2), "b": (4,)}
+  w64 = {k: rng.normal(size=s) for k, s in shapes.items()}
+  c64 = {k: rng.normal(size=s) for k, s in shapes.items()}
+  d64 = {k: rng.uniform(0.5, 1.5, size=s) for k, s in shapes.items()}
+  w, c, d = (jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), t) for t in (w64, c64, d64))
+  tx = optax_gsam.gsam(0.1, 0.4, adaptive=adaptive, minimize_fp=minimize_fp)
+
+  @jax.jit
+  def update(scale):
+    def loss_fn(q):
+      terms = jax.tree.map(lambda qi, ci, di: jnp.sum(ci * qi + 0.5 * di * qi**2), q, c, d)
+      return scale * sum(jax.tree.leaves(terms))
+
+    loss, grads = jax.value_and_grad(loss_fn)(w)
+    return tx.update(grads, tx.init(w), w, loss_fn=loss_fn, value=loss)
+
+  flat = lambda t: np.concatenate([np.ravel(np.asarray(t[k], np.float64)) for k in shapes])
+  w_f, c_f, d_f = flat(w), flat(c), flat(d)
+  for scale in SCALES:
+    updates, state = update(jnp.float32(scale))
+    assert all_finite((updates, state)), scale
+    expected, g_c = reference_gsam(w_f, c_f, d_f, scale, 0.1, 0.4, adaptive, minimize_fp)
+    np.testing.assert_allclose(
+      flat(updates), expected, rtol=1e-4, atol=1e-5 * np.abs(expected).max(), err_msg=str(scale)
+    )
+    assert float(state.clean_grad_norm) == pytest.approx(np.linalg.norm(g_c), rel=1e-5)

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _problems import all_finite
 
 import optax_gsam
 from optax_gsam import big_vision
@@ -254,10 +255,6 @@ def test_bad_construction_names_argument_and_allowed_values(factory, name):
     build()
 
 
-def all_finite(tree):
-  return all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(tree))
-
-
 def test_scalar_arrays_are_accepted_for_inject_hyperparams():
   # The validation must not reject what optax.inject_hyperparams passes: 0-d arrays.
   tx = optax_gsam.gsam(jnp.float32(0.1), jnp.asarray(0.3), eps=jnp.asarray(1e-12))
@@ -266,3 +263,22 @@ def test_scalar_arrays_are_accepted_for_inject_hyperparams():
   updates, _ = tx.update(jax.grad(loss_fn)(p), tx.init(p), p, loss_fn=loss_fn)
   assert all_finite(updates)
   assert optax_gsam.gsam(np.float32(0.1), np.float64(0.2)) is not None
+
+
+def test_gsam_update_rejects_leaf_shape_mismatch_naming_the_leaf():
+  p = {"w": jnp.ones((3, 2)), "b": jnp.ones(2)}
+  tx = optax_gsam.gsam(0.1, 0.3)
+  loss_fn = lambda q: jnp.sum(q["w"] ** 2)
+  grads = {"w": jnp.ones((2, 3)), "b": jnp.ones(2)}
+  with pytest.raises(ValueError, match=r"leaf shapes.*\['w'\]: \(2, 3\) vs \(3, 2\)"):
+    tx.update(grads, tx.init(p), p, loss_fn=loss_fn)
+  with pytest.raises(ValueError, match="leaf shapes"):
+    jax.jit(lambda g: tx.update(g, tx.init(p), p, loss_fn=loss_fn))(grads)
+
+
+def test_gsam_update_rejects_state_of_other_params():
+  tx = optax_gsam.gsam(0.1, 0.3, perturb_every=2)
+  stale = tx.init({"w": jnp.ones(3)})
+  p = {"w": jnp.ones(4)}
+  with pytest.raises(ValueError, match=r"initialised for other params.*tx.init\(params\)"):
+    tx.update(p, stale, p, loss_fn=lambda q: jnp.sum(q["w"]))

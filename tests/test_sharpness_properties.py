@@ -1,13 +1,13 @@
-"""Property-based tests (hypothesis) of the invariants in docs/guarantees.md.
+"""GSAM's invariants from docs/guarantees.md, tested with hypothesis.
 
-Random pytree structures (nested dicts, lists and tuples), leaf shapes, rho, alpha, batch and
-chunk sizes; float64 references written here from the formulas.
+Random pytree structures (nested dicts, lists and tuples), leaf shapes, rho and alpha; float64
+references written here from the formulas. The gradient cache's property test is in
+test_gradient_cache.py.
 """
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from hypothesis import given
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -121,41 +121,3 @@ def test_component_along_the_perturbed_gradient_is_kept(structure, seed, rho, al
     g_p, g_c = problem.perturbed_grad(w, rho, adaptive), problem.grad(w)
     scale = np.linalg.norm(g_p) * (np.linalg.norm(g_p) + alpha * np.linalg.norm(g_c))
     assert abs(out @ g_p - g_p @ g_p) <= 1e-9 * scale + 1e-12
-
-
-def embed(params, x):
-  return jnp.tanh(x @ params["w1"]) @ params["w2"]
-
-
-def coupled_loss(params, reps):
-  logits = params["t"] * reps @ reps.T
-  return jnp.mean(jax.nn.logsumexp(logits, axis=1) - jnp.diagonal(logits))
-
-
-@settings(max_examples=6, deadline=None, derandomize=True)
-@given(
-  data=st.data(),
-  batch=st.integers(1, 12),
-  features=st.integers(1, 4),
-  hidden=st.integers(1, 5),
-  seed=st.integers(0, 2**16),
-)
-def test_cached_gradient_equals_the_full_batch_gradient(data, batch, features, hidden, seed):
-  chunk_size = data.draw(st.integers(1, batch), label="chunk_size")
-  rng = np.random.default_rng(seed)
-  with jax.enable_x64(True):
-    params = {
-      "w1": jnp.asarray(rng.normal(size=(features, hidden))),
-      "w2": jnp.asarray(rng.normal(size=(hidden, 3))),
-      "t": jnp.asarray(rng.uniform(0.5, 2.0)),
-    }
-    x = jnp.asarray(rng.normal(size=(batch, features)))
-    value, grads = optax_gsam.cached_value_and_grad(embed, coupled_loss, chunk_size=chunk_size)(
-      params, x
-    )
-    ref_value, ref_grads = jax.value_and_grad(lambda p: coupled_loss(p, embed(p, x)))(params)
-    np.testing.assert_allclose(value, ref_value, rtol=1e-12)
-    jax.tree.map(
-      lambda g, r: np.testing.assert_allclose(g, r, rtol=1e-10, atol=1e-12), grads, ref_grads
-    )
-    assert optax.tree.allclose(grads, ref_grads, rtol=1e-10, atol=1e-12)
