@@ -40,6 +40,7 @@ import json
 import os
 import pathlib
 import time
+from typing import Any
 
 import jax
 import numpy as np
@@ -112,8 +113,8 @@ def global_batch(
   )
 
 
-def main(argv: list[str] | None = None) -> dict:
-  args = parse_args(argv)
+def start_runtime(args: argparse.Namespace) -> None:
+  """CPU device count and the multi-process runtime, before anything starts a backend."""
   if args.cpu_devices and jax.config.jax_num_cpu_devices != args.cpu_devices:
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", args.cpu_devices)
@@ -124,28 +125,23 @@ def main(argv: list[str] | None = None) -> dict:
       jax.config.update("jax_cpu_collectives_implementation", "gloo")
     optax_gsam.launch.initialize(args.coordinator, args.num_processes, args.process_id)
 
+
+def make_model(args: argparse.Namespace) -> tuple[Any, int, int]:
+  """``(model, image_size, classes)`` of ``--model``."""
+  from models import ViT
+
+  if args.model == "vit_b32":
+    return ViT(patch=32, width=768, depth=12, heads=12, num_classes=1000), 224, 1000
+  return ViT(patch=4, width=args.width, depth=args.depth, heads=3), 32, 10
+
+
+def make_train_step(args: argparse.Namespace, model, mesh: jax.sharding.Mesh):
+  """GSAM + AdamW with rho following the warmup-cosine lr, data-parallel over ``mesh``."""
   import optax
 
   import optax_gsam
 
   import harness
-  from models import ViT
-
-  if args.model == "vit_b32":
-    model, image_size, classes = (
-      ViT(patch=32, width=768, depth=12, heads=12, num_classes=1000),
-      224,
-      1000,
-    )
-  else:
-    model = ViT(patch=4, width=args.width, depth=args.depth, heads=3)
-    image_size, classes = 32, 10
-
-  devices = jax.devices()
-  if args.global_batch % len(devices):
-    raise ValueError(f"--global-batch {args.global_batch} must divide over {len(devices)} devices")
-  mesh = jax.make_mesh((len(devices),), ("data",))
-  batch_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
 
   lr = optax.warmup_cosine_decay_schedule(0.0, args.lr, max(1, args.steps // 10), args.steps)
   rho = optax_gsam.rho_from_lr(lr, args.rho_max, args.rho_min, num_steps=args.steps)
@@ -156,32 +152,47 @@ def main(argv: list[str] | None = None) -> dict:
 
   def per_device_step(params, opt_state, batch):
     images, labels = batch
-
     loss_fn = lambda p: harness.cross_entropy(model.apply(p, images), labels)
     loss, grads = jax.value_and_grad(loss_fn)(params)
     updates, opt_state = tx.update(grads, opt_state, params, loss_fn=loss_fn, value=loss)
     return optax.apply_updates(params, updates), opt_state, jax.lax.pmean(loss, "data")
 
-  train_step = optax_gsam.data_parallel(per_device_step, mesh, donate_argnums=(0, 1))
+  return tx, optax_gsam.data_parallel(per_device_step, mesh, donate_argnums=(0, 1))
 
-  batch = global_batch(batch_sharding, args.global_batch, image_size, classes)
 
-  params = model.init(jax.random.key(0), np.zeros((1, image_size, image_size, 3), np.float32))
-  opt_state = tx.init(params)
-  # Replicated over the global mesh from the start, as the step returns them: one compilation.
-  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-  params, opt_state = jax.device_put((params, opt_state), replicated)
-  start = time.perf_counter()
-  params, opt_state, loss = train_step(params, opt_state, batch)
-  loss.block_until_ready()
-  first_step_s = time.perf_counter() - start
-  times, losses = [], [float(loss)]
-  for _ in range(args.steps - 1):
+def run_steps(train_step, params, opt_state, batch, steps: int):
+  """Runs ``steps`` steps: the final state, the first step's seconds, later steps' and losses."""
+  times, losses = [], []
+  for _ in range(steps):
     start = time.perf_counter()
     params, opt_state, loss = train_step(params, opt_state, batch)
     loss.block_until_ready()
     times.append(time.perf_counter() - start)
     losses.append(float(loss))
+  return params, opt_state, times[0], times[1:], losses
+
+
+def main(argv: list[str] | None = None) -> dict:
+  args = parse_args(argv)
+  start_runtime(args)
+  import optax
+
+  model, image_size, classes = make_model(args)
+  devices = jax.devices()
+  if args.global_batch % len(devices):
+    raise ValueError(f"--global-batch {args.global_batch} must divide over {len(devices)} devices")
+  mesh = jax.make_mesh((len(devices),), ("data",))
+  batch_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+  tx, train_step = make_train_step(args, model, mesh)
+  batch = global_batch(batch_sharding, args.global_batch, image_size, classes)
+
+  params = model.init(jax.random.key(0), np.zeros((1, image_size, image_size, 3), np.float32))
+  # Replicated over the global mesh from the start, as the step returns them: one compilation.
+  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  params, opt_state = jax.device_put((params, tx.init(params)), replicated)
+  params, opt_state, first_step_s, times, losses = run_steps(
+    train_step, params, opt_state, batch, args.steps
+  )
   if jax.process_index() == 0:
     for i, value in enumerate(losses):
       print(f"step {i + 1} loss {value:.6f}")
