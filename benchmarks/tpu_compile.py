@@ -416,36 +416,41 @@ def fits(probe: dict[str, Any]) -> bool:
   return probe["compiles"] and probe["peak_bytes"] <= HBM_BYTES
 
 
-def _line_guess(probes: list[dict]) -> int | None:
-  """Where the line through the two largest compiled probes crosses 16 GiB, if it rises."""
+def _line_guess(probes: list[dict], limit: int) -> int | None:
+  """Where the line through the two largest compiled probes crosses ``limit``, if it rises."""
   measured = sorted((p for p in probes if p["compiles"]), key=lambda p: p["batch"])[-2:]
   if len(measured) < 2 or measured[1]["peak_bytes"] <= measured[0]["peak_bytes"]:
     return None
   (b0, p0), (b1, p1) = ((p["batch"], p["peak_bytes"]) for p in measured)
-  return int(b0 + (HBM_BYTES - p0) * (b1 - b0) / (p1 - p0))
+  return int(b0 + (limit - p0) * (b1 - b0) / (p1 - p0))
 
 
 def largest_batch(probe: Callable[[int], dict], start: int, step: int) -> tuple[int, list[dict]]:
   """The largest multiple of ``step`` whose step fits in HBM, by bisection over compiles.
 
   The bracket [fits, does not fit] is split where the line through the two
-  largest compiled probes crosses 16 GiB (peak memory is close to linear in
+  largest compiled probes crosses the limit (peak memory is close to linear in
   the batch), clamped inside the bracket; after a refused compile or a clamped
-  guess, at the midpoint (doubling while no upper end is known). It stops when
-  the bracket is one ``step`` wide.
+  guess, at the midpoint. While no upper end is known it first jumps to 4x the
+  start, for a long baseline. The limit is 16 GiB until the compiler refuses a
+  program: then it is the HBM the compiler says is available (15.48 GiB of a
+  v3 core's 16 with libtpu 0.0.42). It stops when the bracket is one ``step`` wide.
   """
   probes = [probe(start)]
   lo, hi = (start, None) if fits(probes[0]) else (0, start)
   use_line = True
   while hi is None or hi - lo > step:
-    guess = _line_guess(probes) if use_line else None
+    limit = min([HBM_BYTES, *(p["hbm_limit_bytes"] for p in probes if "hbm_limit_bytes" in p)])
+    guess = _line_guess(probes, limit) if use_line else None
     if guess is None:
-      guess = 2 * max(lo, step) if hi is None else (lo + hi) // 2
+      grow = 4 if len(probes) == 1 else 2
+      guess = grow * max(lo, step) if hi is None else (lo + hi) // 2
     guess = guess // step * step
     bounded = max(guess, lo + step) if hi is None else min(max(guess, lo + step), hi - step)
     probes.append(probe(bounded))
     lo, hi = (bounded, hi) if fits(probes[-1]) else (lo, bounded)
-    use_line = probes[-1]["compiles"] and bounded == guess
+    learned_limit = probes[-1].get("hbm_limit_bytes", limit) < limit  # aim again, lower
+    use_line = (probes[-1]["compiles"] and bounded == guess) or learned_limit
   return lo, probes
 
 
