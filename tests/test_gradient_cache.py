@@ -400,7 +400,9 @@ def test_chunk_size_larger_than_the_batch_is_an_error():
   value, _ = fn(p, jnp.ones((8, 3)))  # chunk_size equal to the batch: one chunk
   assert float(value) == 8 * 2 * 3
   towers = optax_gsam.cached_value_and_grad(
-    {"query": linear, "doc": linear}, lambda p, r: jnp.sum(r["query"]) + jnp.sum(r["doc"]), chunk_size=4
+    {"query": linear, "doc": linear},
+    lambda p, r: jnp.sum(r["query"]) + jnp.sum(r["doc"]),
+    chunk_size=4,
   )
   with pytest.raises(
     ValueError, match=r"chunk_size=4 is larger than the batch of tower \['query'\]"
