@@ -469,6 +469,30 @@ def max_batch_table(mesh, config, names, dtypes, step, save=lambda rows: None) -
   return rows
 
 
+def format_max_batch_table(rows: list[dict], step: int) -> str:
+  """Largest per-core batch per contender and dtype, with its peak and the ratio to AdamW's."""
+  base = {r["dtype"]: r["largest_batch"] for r in rows if r["contender"] == "adamw"}
+  cells = [
+    ("dtype", "contender", "largest batch", "/ adamw", "peak GiB there", "fails at", "compiles")
+  ]
+  for r in sorted(rows, key=lambda r: (r["dtype"] != "f32", r["contender"] != "adamw")):
+    fitted = {p["batch"]: p for p in r["probes"] if fits(p)}
+    refused = [p["batch"] for p in r["probes"] if not fits(p) and p["batch"] > r["largest_batch"]]
+    ratio = r["largest_batch"] / base[r["dtype"]] if r["dtype"] in base else None
+    cells.append(
+      (
+        r["dtype"],
+        r["contender"],
+        str(r["largest_batch"]),
+        f"{ratio:.3f}" if ratio is not None else "-",
+        f"{fitted[r['largest_batch']]['peak_bytes'] / GiB:.3f}",
+        str(min(refused)) if refused else f"> {r['largest_batch'] + step}",
+        str(len(r["probes"])),
+      )
+    )
+  return render_table(cells)
+
+
 def gradient_cache_table(batches, chunk, tile) -> dict[str, dict[str, Any]]:
   """benchmarks/gradient_cache.py's two-tower CLIP step compiled for one TPU v3 core."""
   import gradient_cache  # the model and the three forms, as on the CPU
@@ -668,6 +692,7 @@ def main(argv: list[str] | None = None) -> dict:
       mesh, args.config, args.contenders, args.dtypes, args.batch_step,
       save=lambda rows: _write(args.out, {**result, "rows": rows}),
     )  # fmt: skip
+    print(format_max_batch_table(result["rows"], args.batch_step))
   else:
     result.update(per_core_batch=args.per_core_batch, time_estimate_key="optimal_seconds")
     step_table(args, mesh, result)

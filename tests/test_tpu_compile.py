@@ -124,3 +124,17 @@ def test_out_of_memory_is_read_from_the_compilers_message(tpu_compile):
   assert found["used_bytes"] == int(17.17 * 2**30)
   assert found["hbm_limit_bytes"] == int(15.48 * 2**30)
   assert tpu_compile.out_of_memory(ValueError("shapes do not match")) is None
+
+
+def test_max_batch_table_gives_each_contenders_batch_relative_to_adamw(tpu_compile):
+  gib = 2**30
+  probe = lambda batch, peak, ok=True: {"batch": batch, "compiles": ok, "peak_bytes": peak * gib}
+  rows = [
+    {"contender": "gsam", "dtype": "f32", "largest_batch": 96,
+     "probes": [probe(64, 10), probe(96, 15), probe(128, 17)]},
+    {"contender": "adamw", "dtype": "f32", "largest_batch": 128,
+     "probes": [probe(64, 8), probe(128, 14), probe(160, 0, ok=False)]},
+  ]  # fmt: skip
+  lines = tpu_compile.format_max_batch_table(rows, 32).splitlines()
+  assert lines[2].split() == ["f32", "adamw", "128", "1.000", "14.000", "160", "3"]
+  assert lines[3].split() == ["f32", "gsam", "96", "0.750", "15.000", "128", "3"]
