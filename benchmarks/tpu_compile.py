@@ -75,6 +75,7 @@ from harness import render_table
 AXIS = "data"
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 HBM_BYTES = 16 * 2**30  # per TPU v3 core
+MAX_PROBE_BATCH = 2**20  # --max-batch stops growing here, should nothing ever fail
 GiB = 2**30
 DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16}
 # name -> (topology_name, chips_per_host_bounds, TPU_ACCELERATOR_TYPE)
@@ -432,19 +433,24 @@ def largest_batch(probe: Callable[[int], dict], start: int, step: int) -> tuple[
   largest compiled probes crosses the limit (peak memory is close to linear in
   the batch), clamped inside the bracket; after a refused compile or a clamped
   guess, at the midpoint. While no upper end is known it first jumps to 4x the
-  start, for a long baseline. The limit is 16 GiB until the compiler refuses a
-  program: then it is the HBM the compiler says is available (15.48 GiB of a
-  v3 core's 16 with libtpu 0.0.42). It stops when the bracket is one ``step`` wide.
+  start, for a long baseline, and never guesses past 4x the largest fitting
+  batch (rematerialization flattens the peak near the limit, and the line then
+  aims far off). The limit is 16 GiB until the compiler refuses a program: then
+  it is the HBM the compiler says is available (15.48 GiB of a v3 core's 16 with
+  libtpu 0.0.42). It stops when the bracket is one ``step`` wide, or past
+  ``MAX_PROBE_BATCH`` if nothing ever fails.
   """
   probes = [probe(start)]
   lo, hi = (start, None) if fits(probes[0]) else (0, start)
   use_line = True
-  while hi is None or hi - lo > step:
+  while (hi is None and lo < MAX_PROBE_BATCH) or (hi is not None and hi - lo > step):
     limit = min([HBM_BYTES, *(p["hbm_limit_bytes"] for p in probes if "hbm_limit_bytes" in p)])
     guess = _line_guess(probes, limit) if use_line else None
     if guess is None:
       grow = 4 if len(probes) == 1 else 2
       guess = grow * max(lo, step) if hi is None else (lo + hi) // 2
+    if hi is None:  # Once rematerialization flattens the peak, the line can aim far off.
+      guess = min(guess, 4 * max(lo, step))
     guess = guess // step * step
     bounded = max(guess, lo + step) if hi is None else min(max(guess, lo + step), hi - step)
     probes.append(probe(bounded))
@@ -478,14 +484,15 @@ def format_max_batch_table(rows: list[dict], step: int) -> str:
   for r in sorted(rows, key=lambda r: (r["dtype"] != "f32", r["contender"] != "adamw")):
     fitted = {p["batch"]: p for p in r["probes"] if fits(p)}
     refused = [p["batch"] for p in r["probes"] if not fits(p) and p["batch"] > r["largest_batch"]]
-    ratio = r["largest_batch"] / base[r["dtype"]] if r["dtype"] in base else None
+    ratio = r["largest_batch"] / base[r["dtype"]] if base.get(r["dtype"]) else None
+    at_best = fitted.get(r["largest_batch"])
     cells.append(
       (
         r["dtype"],
         r["contender"],
         str(r["largest_batch"]),
         f"{ratio:.3f}" if ratio is not None else "-",
-        f"{fitted[r['largest_batch']]['peak_bytes'] / GiB:.3f}",
+        f"{at_best['peak_bytes'] / GiB:.3f}" if at_best else "-",
         str(min(refused)) if refused else f"> {r['largest_batch'] + step}",
         str(len(r["probes"])),
       )
