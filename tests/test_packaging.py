@@ -134,3 +134,15 @@ def test_no_function_in_the_package_exceeds_60_lines_of_code():
         if n > 60:
           too_long.append(f"{path.relative_to(package)}:{node.name} ({n})")
   assert not too_long, too_long
+
+
+def test_every_test_file_the_tools_and_ci_name_exists():
+  named = {
+    name
+    for script in [*sorted((ROOT / "tools").glob("*.sh")), ROOT / ".ci" / "run"]
+    for line in script.read_text().splitlines()
+    if not line.lstrip().startswith("#")  # usage examples in comments name placeholders
+    for name in re.findall(r"tests/\w+\.py", line)
+  }
+  assert named, "the tools name no test files: the pattern is stale"
+  assert sorted(n for n in named if not (ROOT / n).exists()) == []

@@ -15,7 +15,7 @@ python="${PYTHON:-python3}"
 work="${WHEEL_CHECK_DIR:-$(mktemp -d)}"
 [[ -n "${WHEEL_CHECK_DIR:-}" ]] || trap 'rm -rf "$work"' EXIT
 subset=(tests/test_sharpness.py tests/test_policies.py tests/test_flax.py
-        tests/test_distributed.py tests/test_first_contact.py tests/test_gradient_cache.py)
+        tests/test_distributed.py tests/test_user_functions.py tests/test_gradient_cache.py)
 tests=("${@:-${subset[@]}}")
 
 rm -rf "$work/dist" "$work/venv" "$work/sdist" "$work/run"
