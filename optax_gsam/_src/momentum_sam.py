@@ -13,6 +13,7 @@ import optax
 from optax_gsam._src import perturbation as pert
 from optax_gsam._src import step
 from optax_gsam._src.arrays import compute_dtype
+from optax_gsam._src.placement import check_placement
 from optax_gsam._src.schedules import value_at
 from optax_gsam._src.user_functions import check_extra_args
 from optax_gsam._src.user_functions import scalar_loss
@@ -31,7 +32,8 @@ class MomentumSAMState(NamedTuple):
 
   Attributes:
     count: number of updates with a finite output; rho schedules read it.
-    rho: the radius of the last update.
+    last_rho: the radius of the last update (named as in
+      :class:`optax_gsam.GSAMState`).
     perturbed_loss: the loss at the perturbed weights of the last update.
     momentum: :math:`v_t`, the running sum of past outputs (params-shaped, in
       float32 at least). A non-finite gradient leaves it unchanged.
@@ -41,7 +43,7 @@ class MomentumSAMState(NamedTuple):
   """
 
   count: jax.Array  # type: ignore[assignment]  # the field shadows tuple.count, as in optax
-  rho: jax.Array
+  last_rho: jax.Array
   perturbed_loss: jax.Array
   momentum: optax.Updates
   fallback_count: jax.Array
@@ -122,7 +124,7 @@ def momentum_sam(
   def init_fn(params: optax.Params) -> MomentumSAMState:
     return MomentumSAMState(  # One buffer per field, so that the state can be donated.
       count=jnp.zeros([], jnp.int32),
-      rho=jnp.zeros([], jnp.float32),
+      last_rho=jnp.zeros([], jnp.float32),
       perturbed_loss=jnp.zeros([], jnp.float32),
       # Accumulated in float32 at least: bfloat16 would lose the sum's small terms.
       momentum=jax.tree.map(lambda p: jnp.zeros(p.shape, compute_dtype(p.dtype)), params),
@@ -138,6 +140,7 @@ def momentum_sam(
     value_and_grad_fn: Callable | None = None,
     **extra_args: Any,
   ) -> tuple[optax.Updates, MomentumSAMState]:
+    check_placement("momentum_sam")
     check_extra_args(extra_args, known=("loss_fn", "value_and_grad_fn"))
     check_update_inputs(updates, params, state.momentum)
     if check_axis:
@@ -160,7 +163,7 @@ def momentum_sam(
     increment = lambda count, flag: jnp.where(flag, optax.safe_increment(count), count)
     new_state = MomentumSAMState(
       count=increment(state.count, finite),
-      rho=rho_t.astype(jnp.float32),
+      last_rho=rho_t.astype(jnp.float32),
       perturbed_loss=loss,
       momentum=momentum_next,
       fallback_count=increment(state.fallback_count, finite & ~rho_ok),

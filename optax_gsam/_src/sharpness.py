@@ -19,10 +19,15 @@ import optax
 
 from optax_gsam._src import perturbation as pert
 from optax_gsam._src import step
+from optax_gsam._src.ascent import check_mask
+from optax_gsam._src.microbatch import accumulated
+from optax_gsam._src.microbatch import microbatch_fns
+from optax_gsam._src.placement import check_not_masked
+from optax_gsam._src.placement import check_placement
 from optax_gsam._src.policies import SharpnessPolicy
 from optax_gsam._src.policies import policy_from_arguments
+from optax_gsam._src.user_functions import UPDATE_KEYWORDS
 from optax_gsam._src.user_functions import check_extra_args
-from optax_gsam._src.user_functions import group_value_and_grad
 from optax_gsam._src.user_functions import scalar_loss
 from optax_gsam._src.user_functions import value_and_grad_from
 from optax_gsam._src.validation import check_axis_name
@@ -52,7 +57,9 @@ class GSAMState(NamedTuple):
       steps. A chain that repairs non-finite updates instead (e.g.
       ``optax.zero_nans()``) advances its optimizers on such a step while this
       count stays, which delays rho by one step per such step.
-    rho: the radius :math:`\\rho_t` of the last update.
+    last_rho: the radius :math:`\\rho_t` of the last update. (Not named
+      ``rho``, so that ``optax.tree.get(opt_state, "rho")`` finds the one
+      hyperparameter of ``optax.inject_hyperparams(optax_gsam.gsam)``.)
     perturbed_loss: :math:`f_p = f(w + \\epsilon)`.
     surrogate_gap: :math:`h = f_p - f`, when the clean loss was passed as
       ``value=``; 0 otherwise.
@@ -65,6 +72,11 @@ class GSAMState(NamedTuple):
     fallback_count: with ``on_nonfinite="clean"``, how many full steps had a
       non-finite perturbed loss or gradient and output the clean gradient
       instead. Never reset.
+    gradient_evaluations: how many gradients of the whole batch the
+      transform has evaluated itself: ``ascent_steps`` per full step (one
+      per ascent step, the last at the perturbed weights), plus one per
+      update whose clean gradient it accumulated over micro-batches. The
+      caller's clean pass is not counted.
     policy_state: the state of the cheap-step policy (see
       :class:`optax_gsam.SharpnessPolicy`).
     stored_direction: for policies with ``cheap="reuse"`` (e.g.
@@ -73,10 +85,15 @@ class GSAMState(NamedTuple):
       orthogonal to its clean gradient. ``None`` otherwise. A step whose
       gradients or perturbed loss are not finite, or that fell back to the
       clean gradient, keeps the previous one.
+    ascent_state: the state of the ascent direction (``optax.EmptyState()``
+      for SAM's and the adaptive ones; the moving averages of
+      :func:`optax_gsam.friendly_ascent` and :func:`optax_gsam.vasso_ascent`).
+      Replaced only by a full step that counted, by the same rule as
+      ``stored_direction``; averaged over ``axis_name`` per device.
   """
 
   count: jax.Array  # type: ignore[assignment]  # shadows tuple.count, as optax's states do
-  rho: jax.Array
+  last_rho: jax.Array
   perturbed_loss: jax.Array
   surrogate_gap: jax.Array
   cosine: jax.Array
@@ -84,8 +101,10 @@ class GSAMState(NamedTuple):
   perturbed_grad_norm: jax.Array
   full_steps: jax.Array
   fallback_count: jax.Array
+  gradient_evaluations: jax.Array
   policy_state: Any = optax.EmptyState()
   stored_direction: optax.Updates | None = None
+  ascent_state: Any = optax.EmptyState()
 
   @property
   def diagnostics(self) -> step.Diagnostics:
@@ -94,36 +113,82 @@ class GSAMState(NamedTuple):
 
 
 def _next_state(
-  state: GSAMState, hyper: step.Hyperparams, outcome: step.Outcome, policy_state: Any
+  state: GSAMState,
+  hyper: step.Hyperparams,
+  outcome: step.Outcome,
+  policy_state: Any,
+  evaluations: tuple[int, int],
 ) -> GSAMState:
   """Stage 6: a step whose output is not finite does not count.
 
   With the rest of the chain behind ``optax.apply_if_finite``, rho schedules
-  then stay aligned with the optimizers after this one.
+  then stay aligned with the optimizers after this one. ``evaluations`` is the
+  number of whole-batch gradients a full and a cheap step evaluate.
   """
   increment = lambda count, flag: jnp.where(flag, optax.safe_increment(count), count)
   counts = step.all_finite(outcome.gradient)
   perturbed_loss_ok = jnp.isfinite(outcome.diagnostics.perturbed_loss)
+  evaluated = jnp.where(outcome.full, evaluations[0], evaluations[1]).astype(jnp.int32)
   return GSAMState(
     count=increment(state.count, counts),
-    rho=hyper.rho.astype(jnp.float32),
+    last_rho=hyper.rho.astype(jnp.float32),
     **outcome.diagnostics._asdict(),
     full_steps=increment(
       state.full_steps, outcome.full & counts & perturbed_loss_ok & ~outcome.fell_back
     ),
     fallback_count=increment(state.fallback_count, outcome.fell_back),
+    gradient_evaluations=state.gradient_evaluations + evaluated,
     policy_state=policy_state,
-    stored_direction=step.keep_finite_direction(outcome, state.stored_direction),
+    stored_direction=step.keep_learned(outcome, outcome.stored_direction, state.stored_direction),
+    ascent_state=step.keep_learned(outcome, outcome.ascent_state, state.ascent_state),
   )
 
 
-def _check_update(updates, state, params, perturb, extra_args, policy, check_axis, axis_name):
+def _check_update(updates, state, params, perturb, extra_args, settings, check_axis, batch):
   """Everything ``update`` can refuse before tracing anything, each with the fix."""
-  check_extra_args(extra_args)
-  _check_perturb(perturb, policy)
-  check_update_inputs(updates, params, state.stored_direction)
+  check_extra_args(extra_args, known=(*UPDATE_KEYWORDS, "batch"))
+  _check_perturb(perturb, settings.policy)
+  check_not_masked(params)
+  microbatched = settings.num_groups is not None or settings.microbatches is not None
+  if updates is None and not microbatched:
+    raise ValueError(
+      "updates is None: pass the clean gradient of loss_fn at params (the usual "
+      "jax.value_and_grad pass), or set microbatches=k so that the transform accumulates it "
+      "over the micro-batches of batch=."
+    )
+  if batch is not None and not microbatched:
+    raise ValueError(
+      "update() got batch=, which gsam/sam read only with microbatches=k: set it, or close over "
+      "the batch in loss_fn."
+    )
+  check_update_inputs(params if updates is None else updates, params, state.stored_direction)
   if check_axis:
-    check_data_axis_is_set(axis_name)
+    check_data_axis_is_set(settings.axis_name)
+
+
+def _run_stages(context, updates, params, grad_fn, clean_loss, perturb, batch):
+  """Stages 2 to 5 for the step's layout: whole batch, accumulated micro-batches, or one
+  perturbation per micro-batch. Also returns how many whole-batch gradients a full and a
+  cheap step evaluate."""
+  settings = context.settings
+  ascent_steps = settings.ascent_steps
+  if settings.num_groups is not None:  # One perturbation per micro-batch.
+    fns = microbatch_fns(grad_fn, batch, settings.num_groups)
+    like = params if updates is None else updates
+    outcome, policy_state = step.grouped_update(context, like, params, fns, perturb)
+    return outcome, policy_state, (1 + ascent_steps, 1)
+  accumulating = 0
+  if settings.microbatches is not None:  # Whole-batch semantics, one micro-batch live.
+    grad_fn = accumulated(
+      microbatch_fns(grad_fn, batch, settings.microbatches), settings.microbatches
+    )
+    if updates is None:
+      clean_loss, updates = grad_fn(params)
+      accumulating = 1
+  outcome, policy_state = step.replicated_update(
+    context, updates, params, grad_fn, clean_loss, perturb
+  )
+  return outcome, policy_state, (ascent_steps + accumulating, accumulating)
 
 
 def _check_perturb(perturb, policy: SharpnessPolicy) -> None:
@@ -139,18 +204,21 @@ def _check_perturb(perturb, policy: SharpnessPolicy) -> None:
     )
 
 
-def _initial_state(policy: SharpnessPolicy, params: optax.Params) -> GSAMState:
+def _initial_state(settings: step.Settings, params: optax.Params) -> GSAMState:
   # A fresh buffer per field: a donated state must not hold one buffer twice.
   zero = lambda: jnp.zeros([], jnp.float32)
   zero_count = lambda: jnp.zeros([], jnp.int32)
+  policy = settings.policy
   return GSAMState(
     count=zero_count(),
-    rho=zero(),
+    last_rho=zero(),
     **{name: zero() for name in step.Diagnostics._fields},
     full_steps=zero_count(),
     fallback_count=zero_count(),
+    gradient_evaluations=zero_count(),
     policy_state=policy.init(),
     stored_direction=optax.tree.zeros_like(params) if policy.stores_direction else None,
+    ascent_state=settings.direction.init(params),
   )
 
 
@@ -163,12 +231,51 @@ def _check_call_arguments(rho, num_groups, perturb_every, check_axis) -> None:
     raise ValueError(f"check_axis must be a bool, got {check_axis!r}.")
 
 
+def _microbatch_settings(microbatches, perturb_each_microbatch, num_groups, sync_perturbation):
+  """``(num_groups, microbatches)`` of :class:`step.Settings`: per-micro-batch or whole-batch."""
+  check_positive_int("microbatches", microbatches, allow_none=True)
+  if not isinstance(perturb_each_microbatch, bool):
+    raise ValueError(f"perturb_each_microbatch must be a bool, got {perturb_each_microbatch!r}.")
+  if microbatches is None:
+    if perturb_each_microbatch:
+      raise ValueError("perturb_each_microbatch=True needs microbatches=k (the number of them).")
+    return num_groups, None
+  if num_groups is not None:
+    raise ValueError(
+      "microbatches and num_groups both split the step; num_groups=G is microbatches=G with "
+      "perturb_each_microbatch=True (and loss_fn(params, index) when no batch is passed)."
+    )
+  if perturb_each_microbatch and sync_perturbation:
+    raise ValueError(
+      "perturb_each_microbatch=True perturbs each micro-batch along its own gradient, and "
+      "sync_perturbation=True along the global one: choose one."
+    )
+  return (microbatches, None) if perturb_each_microbatch else (None, microbatches)
+
+
+def _check_ascent(settings: step.Settings) -> None:
+  if settings.ascent is not None:
+    if settings.adaptive is not None:
+      raise ValueError(
+        "adaptive and ascent both choose the ascent direction: pass ascent="
+        f"optax_gsam.adaptive_ascent({settings.adaptive!r}) alone."
+      )
+    if not isinstance(settings.ascent, optax.GradientTransformation):
+      raise ValueError(
+        "ascent must be an optax.GradientTransformation mapping a gradient to a perturbation of "
+        f"radius 1 (e.g. optax_gsam.normalized_ascent()), got {settings.ascent!r}."
+      )
+  check_positive_int("ascent_steps", settings.ascent_steps)
+  check_mask(settings.mask)
+
+
 def _validated(settings: step.Settings) -> step.Settings:
   """Validates gsam's static arguments eagerly; every error names its argument."""
   check_non_negative("alpha", settings.alpha)
   check_positive("eps", settings.eps)
   if settings.adaptive not in pert.ADAPTIVE_CHOICES:
     raise ValueError(f"adaptive must be one of {pert.ADAPTIVE_CHOICES}, got {settings.adaptive!r}.")
+  _check_ascent(settings)
   for name, flag in (
     ("minimize_fp", settings.minimize_fp),
     ("sync_perturbation", settings.sync_perturbation),
@@ -180,14 +287,16 @@ def _validated(settings: step.Settings) -> step.Settings:
     raise ValueError(
       "sync_perturbation=True needs axis_name: it averages the clean gradient over that axis."
     )
-  if settings.num_groups is not None and settings.axis_name is not None:
+  if settings.num_groups is not None and settings.sync_perturbation:
     raise ValueError(
-      "num_groups emulates devices on one device; it cannot be combined with axis_name."
+      "num_groups perturbs each group along its own gradient, and sync_perturbation=True "
+      "along the global one: choose one."
     )
   if settings.num_groups is not None and settings.policy.uses_grad_norm:
     raise ValueError(
-      f"policy={settings.policy.name!r} reads the clean gradient's norm, which num_groups never forms "
-      "before its per-group passes; use it with axis_name, or pick another policy."
+      f"policy={settings.policy.name!r} reads the clean gradient's norm, which per-micro-batch "
+      "perturbation (num_groups, perturb_each_microbatch) never forms before its per-micro-batch passes; use it with "
+      "perturb_each_microbatch=False, or pick another policy."
     )
   if settings.on_nonfinite not in ON_NONFINITE_CHOICES:
     raise ValueError(
@@ -211,6 +320,11 @@ def gsam(
   policy: SharpnessPolicy | None = None,
   on_nonfinite: str = "propagate",
   check_axis: bool = True,
+  ascent: optax.GradientTransformation | None = None,
+  ascent_steps: int | None = None,
+  mask: Any = None,
+  microbatches: int | None = None,
+  perturb_each_microbatch: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Surrogate Gap Guided Sharpness-Aware Minimization (GSAM).
 
@@ -375,6 +489,9 @@ def gsam(
   """
   _check_call_arguments(rho, num_groups, perturb_every, check_axis)
   policy = policy_from_arguments(policy, perturb_every, reuse_weight)
+  num_groups, whole_batch_microbatches = _microbatch_settings(
+    microbatches, perturb_each_microbatch, num_groups, sync_perturbation
+  )
   settings = _validated(
     step.Settings(
       alpha=alpha,
@@ -386,13 +503,17 @@ def gsam(
       num_groups=num_groups,
       policy=policy,
       on_nonfinite=on_nonfinite,
+      ascent=ascent,
+      ascent_steps=1 if ascent_steps is None else ascent_steps,
+      mask=mask,
+      microbatches=whole_batch_microbatches,
     )
   )
 
-  init_fn = functools.partial(_initial_state, policy)
+  init_fn = functools.partial(_initial_state, settings)
 
   def update_fn(
-    updates: optax.Updates,
+    updates: optax.Updates | None,
     state: GSAMState,
     params: optax.Params | None = None,
     *,
@@ -400,23 +521,27 @@ def gsam(
     value_and_grad_fn: Callable | None = None,
     value: jax.Array | None = None,
     perturb: bool | None = None,
+    batch: Any = None,
     **extra_args: Any,
   ) -> tuple[optax.Updates, GSAMState]:
-    _check_update(updates, state, params, perturb, extra_args, policy, check_axis, axis_name)
+    check_placement("gsam/sam")
+    _check_update(updates, state, params, perturb, extra_args, settings, check_axis, batch)
     hyper = step.hyperparams_at(rho, policy, state.count)
     context = step.StepContext(
-      settings, hyper, state.policy_state, state.count, state.stored_direction, state.diagnostics
+      settings,
+      hyper,
+      state.policy_state,
+      state.count,
+      state.stored_direction,
+      state.diagnostics,
+      state.ascent_state,
     )
-    if num_groups is None:
-      grad_fn = value_and_grad_from(loss_fn, value_and_grad_fn)
-      clean_loss = scalar_loss(value) if value is not None else None
-      outcome, policy_state = step.replicated_update(
-        context, updates, params, grad_fn, clean_loss, perturb
-      )
-    else:
-      group_fn = group_value_and_grad(loss_fn, value_and_grad_fn)
-      outcome, policy_state = step.grouped_update(context, updates, params, group_fn, perturb)
-    return outcome.gradient, _next_state(state, hyper, outcome, policy_state)
+    grad_fn = value_and_grad_from(loss_fn, value_and_grad_fn)
+    clean_loss = scalar_loss(value) if value is not None else None
+    outcome, policy_state, evaluations = _run_stages(
+      context, updates, params, grad_fn, clean_loss, perturb, batch
+    )
+    return outcome.gradient, _next_state(state, hyper, outcome, policy_state, evaluations)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -434,6 +559,11 @@ def sam(
   policy: SharpnessPolicy | None = None,
   on_nonfinite: str = "propagate",
   check_axis: bool = True,
+  ascent: optax.GradientTransformation | None = None,
+  ascent_steps: int | None = None,
+  mask: Any = None,
+  microbatches: int | None = None,
+  perturb_each_microbatch: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Sharpness-Aware Minimization (SAM): :func:`gsam` with ``alpha=0``.
 
@@ -473,6 +603,11 @@ def sam(
     policy=policy,
     on_nonfinite=on_nonfinite,
     check_axis=check_axis,
+    ascent=ascent,
+    ascent_steps=ascent_steps,
+    mask=mask,
+    microbatches=microbatches,
+    perturb_each_microbatch=perturb_each_microbatch,
   )
 
 

@@ -193,11 +193,3 @@ def scalar_loss(value: Any) -> jax.Array:
   if value.shape != ():
     raise ValueError(f"The loss must be a scalar, got shape {value.shape}.")
   return value.astype(jnp.float32)
-
-
-def group_value_and_grad(
-  loss_fn: Callable | None, value_and_grad_fn: Callable | None
-) -> Callable[[jax.Array], ValueAndGradFn]:
-  """``group -> (params -> (value, grads))`` for ``num_groups``: the user's fn takes the group."""
-  grad_fn = value_and_grad_from(loss_fn, value_and_grad_fn)
-  return lambda group: lambda params: grad_fn(params, group)
