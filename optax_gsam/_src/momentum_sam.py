@@ -13,6 +13,8 @@ import optax
 from optax_gsam._src import perturbation as pert
 from optax_gsam._src import step
 from optax_gsam._src.arrays import compute_dtype
+from optax_gsam._src.microbatch import accumulated
+from optax_gsam._src.microbatch import microbatch_fns
 from optax_gsam._src.placement import check_placement
 from optax_gsam._src.schedules import value_at
 from optax_gsam._src.user_functions import check_extra_args
@@ -22,6 +24,7 @@ from optax_gsam._src.validation import check_axis_name
 from optax_gsam._src.validation import check_data_axis_is_set
 from optax_gsam._src.validation import check_non_negative
 from optax_gsam._src.validation import check_positive
+from optax_gsam._src.validation import check_positive_int
 from optax_gsam._src.validation import check_unit_interval
 from optax_gsam._src.validation import check_update_inputs
 from optax_gsam.typing import AxisName
@@ -56,6 +59,7 @@ def momentum_sam(
   eps: float = 1e-12,
   axis_name: AxisName = None,
   check_axis: bool = True,
+  microbatches: int | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Momentum-SAM (MSAM): perturb along past gradients, evaluate one gradient.
 
@@ -93,6 +97,10 @@ def momentum_sam(
     axis_name: the data-parallel axis name, or ``None``.
     check_axis: as in :func:`optax_gsam.gsam`: with ``axis_name=None``, raise
       under a mapped axis unless this is ``False``.
+    microbatches: as in :func:`optax_gsam.gsam`: ``update(..., batch=batch)``
+      with ``loss_fn(params, microbatch)`` evaluates the perturbed gradient of
+      the whole batch as the mean over this many micro-batches, one live at a
+      time.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` with state
@@ -118,6 +126,7 @@ def momentum_sam(
   check_unit_interval("momentum", momentum, include_one=False)
   check_positive("eps", eps)
   check_axis_name(axis_name)
+  check_positive_int("microbatches", microbatches, allow_none=True)
   if not isinstance(check_axis, bool):
     raise ValueError(f"check_axis must be a bool, got {check_axis!r}.")
 
@@ -132,20 +141,25 @@ def momentum_sam(
     )
 
   def update_fn(
-    updates: optax.Updates,
+    updates: optax.Updates | None,
     state: MomentumSAMState,
     params: optax.Params | None = None,
     *,
     loss_fn: Callable | None = None,
     value_and_grad_fn: Callable | None = None,
+    batch: Any = None,
     **extra_args: Any,
   ) -> tuple[optax.Updates, MomentumSAMState]:
     check_placement("momentum_sam")
-    check_extra_args(extra_args, known=("loss_fn", "value_and_grad_fn"))
-    check_update_inputs(updates, params, state.momentum)
+    check_extra_args(extra_args, known=("loss_fn", "value_and_grad_fn", "batch"))
+    check_update_inputs(params if updates is None else updates, params, state.momentum)
     if check_axis:
       check_data_axis_is_set(axis_name)
     grad_fn = value_and_grad_from(loss_fn, value_and_grad_fn)
+    if microbatches is not None:
+      grad_fn = accumulated(microbatch_fns(grad_fn, batch, microbatches), microbatches)
+    elif batch is not None:
+      raise ValueError("update() got batch=, which momentum_sam reads only with microbatches=k.")
     rho_t = value_at(rho, state.count)
     rho_ok = jnp.isfinite(rho_t) & (rho_t >= 0)  # else the clean gradient, counted
     safe_rho = jnp.where(rho_ok, rho_t, jnp.zeros_like(rho_t))
@@ -155,7 +169,7 @@ def momentum_sam(
     loss = scalar_loss(value)
     if axis_name is not None:
       grads, loss = step.pmean((grads, loss), axis_name)
-    grads = optax.tree.cast_like(grads, updates)
+    grads = optax.tree.cast_like(grads, params if updates is None else updates)
     finite = step.all_finite(grads)
     momentum_next = jax.tree.map(
       lambda v, g: jnp.where(finite, momentum * v + g.astype(v.dtype), v), state.momentum, grads

@@ -24,7 +24,7 @@ from typing import Any
 import jax
 import optax
 
-_COMBINE_FILE = os.path.join("optax", "_src", "combine.py")
+_OPTAX_DIR = f"{os.sep}optax{os.sep}"
 
 MICROBATCH_FIX = (
   "For gradient accumulation, use the transform's own micro-batches: "
@@ -51,7 +51,7 @@ def _is_multisteps(value: Any) -> bool:
 def _is_late_in_chain(frame: Any) -> bool:
   """Whether ``frame`` is optax.chain's update calling a transform that is not its first."""
   code = frame.f_code
-  if code.co_name != "update_fn" or not code.co_filename.endswith(_COMBINE_FILE):
+  if code.co_qualname != "chain.<locals>.update_fn" or _OPTAX_DIR not in code.co_filename:
     return False
   local = frame.f_locals
   update_fns, current = local.get("update_fns"), local.get("fn")

@@ -25,9 +25,12 @@ def is_scalar_array(value) -> bool:
 
 def _concrete_value(value) -> float | None:
   """The value of a concrete scalar array; None for a tracer (checked where it is used)."""
-  if isinstance(value, jax.core.Tracer):
+  if isinstance(value, jax.core.Tracer) or jnp.iscomplexobj(value):
     return None
-  return float(jnp.real(value)) if not jnp.iscomplexobj(value) else None
+  try:
+    return float(jnp.real(value))
+  except jax.errors.ConcretizationTypeError:  # traced inside a cond (optax.apply_if_finite)
+    return None
 
 
 def check_non_negative(
