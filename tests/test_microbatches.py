@@ -167,7 +167,7 @@ def test_multisteps_around_sam_is_refused_with_the_microbatch_api():
   with pytest.raises(ValueError, match=r"optax.MultiSteps.*microbatches=k"):
     tx.update(jax.grad(loss_fn)(params), state, params, loss_fn=loss_fn)
   momentum = optax.MultiSteps(optax_gsam.momentum_sam(0.05), every_k_schedule=2)
-  with pytest.raises(ValueError, match="optax.MultiSteps"):
+  with pytest.raises(ValueError, match=r"optax\.MultiSteps"):
     momentum.update(params, momentum.init(params), params, loss_fn=loss_fn)
 
 
@@ -194,7 +194,7 @@ def test_updates_none_or_batch_without_microbatches_is_refused():
   loss_fn = lambda p: loss_jax(p, jnp.asarray(x), jnp.asarray(t))
   with pytest.raises(ValueError, match="updates is None"):
     tx.update(None, tx.init(params), params, loss_fn=loss_fn)
-  with pytest.raises(ValueError, match="batch=.*microbatches=k"):
+  with pytest.raises(ValueError, match=r"batch=.*microbatches=k"):
     tx.update(params, tx.init(params), params, loss_fn=loss_fn, batch=(x, t))
   with pytest.raises(ValueError, match="num_groups=G is microbatches=G"):
     optax_gsam.gsam(RHO, microbatches=2, num_groups=2)

@@ -26,7 +26,6 @@ from optax_gsam._src.placement import check_not_masked
 from optax_gsam._src.placement import check_placement
 from optax_gsam._src.policies import SharpnessPolicy
 from optax_gsam._src.policies import policy_from_arguments
-from optax_gsam._src.user_functions import UPDATE_KEYWORDS
 from optax_gsam._src.user_functions import check_extra_args
 from optax_gsam._src.user_functions import scalar_loss
 from optax_gsam._src.user_functions import value_and_grad_from
@@ -146,7 +145,7 @@ def _next_state(
 
 def _check_update(updates, state, params, perturb, extra_args, settings, check_axis, batch):
   """Everything ``update`` can refuse before tracing anything, each with the fix."""
-  check_extra_args(extra_args, known=(*UPDATE_KEYWORDS, "batch"))
+  check_extra_args(extra_args)
   _check_perturb(perturb, settings.policy)
   check_not_masked(params)
   microbatched = settings.num_groups is not None or settings.microbatches is not None
