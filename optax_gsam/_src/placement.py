@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import sys
+import types
 from typing import Any
 
 import jax
@@ -62,7 +63,7 @@ def _is_late_in_chain(frame: Any) -> bool:
 
 def check_placement(name: str) -> None:
   """Raises a ValueError where ``name``'s update runs inside optax.MultiSteps or late in a chain."""
-  frame = sys._getframe(1)
+  frame: types.FrameType | None = sys._getframe(1)
   while frame is not None:
     if _is_multisteps(frame.f_locals.get("self")):
       raise ValueError(

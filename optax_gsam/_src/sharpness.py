@@ -372,13 +372,43 @@ def gsam(
     :math:`g_p` before the decomposition, which equals single-device GSAM on
     the global batch. Two gradient-sized all-reduces.
 
-  ``num_groups=G`` emulates G devices with per-device perturbation on one
-  device, sequentially (a ``lax.scan`` over groups, so memory stays that of one
-  group). ``update`` then takes ``loss_fn(params, group)`` (or
-  ``value_and_grad_fn(params, group)``), the loss of group ``group`` (an int32
-  scalar in ``[0, G)``), computes each group's clean and perturbed gradient
-  itself and ignores the values in ``updates`` (only their structure and dtypes
-  are read: pass ``optax.tree.zeros_like(params)`` to skip a clean pass).
+  **Micro-batches.** With ``microbatches=k``, ``update(updates, state,
+  params, loss_fn=..., batch=batch)`` takes ``loss_fn(params, microbatch)``
+  (or ``value_and_grad_fn(params, microbatch)``) and splits every leaf of
+  ``batch`` along its leading axis into k equal micro-batches, evaluated one
+  at a time in a ``lax.scan`` (one micro-batch's activations and one
+  params-sized sum live). Without ``batch``, the function receives the
+  micro-batch index (an int32 scalar in ``[0, k)``). Two semantics:
+
+  * whole batch (default): :math:`g_c` and :math:`g_p` are the means over the
+    micro-batches, the weights are perturbed once along the whole batch's
+    :math:`g_c`; the result is GSAM on the whole batch. ``updates=None`` lets
+    the transform accumulate :math:`g_c` too (and the clean loss, for the
+    surrogate gap); otherwise ``updates`` is the caller's whole-batch
+    :math:`g_c`.
+  * ``perturb_each_microbatch=True``: each micro-batch is perturbed along its
+    own clean gradient (m-sharpness with m the micro-batch size) and the
+    output is the mean of the micro-batches' GSAM gradients; the values of
+    ``updates`` are not read (pass ``None``). ``num_groups=G`` is this with
+    ``microbatches=G``.
+
+  Both work with ``axis_name`` (they split each device's batch). See
+  docs/large_batches.md. ``optax.MultiSteps`` around the transform is
+  refused: it would perturb along the accumulated gradient but evaluate only
+  the last micro-batch's ``loss_fn``.
+
+  **The ascent stage.** ``ascent`` is an ``optax.GradientTransformation``
+  mapping a gradient to a perturbation of radius 1 (the default is
+  :func:`optax_gsam.normalized_ascent`, or the one ``adaptive`` names; see
+  :func:`optax_gsam.friendly_ascent` and :func:`optax_gsam.vasso_ascent`);
+  its state is ``GSAMState.ascent_state``. ``ascent_steps=n`` takes n steps
+  of length :math:`\rho_t / n`, each along the direction of the gradient at
+  the point reached. ``mask`` (a pytree of Python bools, or a function of the
+  params returning one, as ``optax.masked`` takes) restricts the
+  perturbation to the selected leaves; every leaf's gradient is still taken
+  at the perturbed point. The transform must be the first stage of its
+  ``optax.chain`` (a stage before it would be lost; this is refused), and
+  not inside ``optax.masked`` (use ``mask``). See docs/directions.md.
 
   **Cheap steps.** A ``policy`` (:class:`optax_gsam.SharpnessPolicy`) decides
   at each step between the full step above and a cheap one that needs only
@@ -439,7 +469,8 @@ def gsam(
     axis_name: the data-parallel axis name, or ``None`` on a single device or
       under ``jax.jit`` with globally sharded arrays (gradients are global
       there, which behaves as synchronized).
-    num_groups: emulate this many devices sequentially on one (see above).
+    num_groups: ``microbatches=num_groups, perturb_each_microbatch=True``
+      (see above), kept for compatibility.
     perturb_every: shorthand for ``policy=every_k_policy(perturb_every,
       reuse_weight=reuse_weight)`` (``None`` or 1: every step). A static int.
     reuse_weight: :math:`\lambda` of ``perturb_every``, a float >= 0 or a
@@ -456,6 +487,14 @@ def gsam(
       gradients given to ``update`` are already global and identical on every
       replica, e.g. those of :func:`optax_gsam.cached_value_and_grad` with its
       own ``axis_name``.
+    ascent: the ascent direction, an ``optax.GradientTransformation`` (see
+      above); ``None`` is the one ``adaptive`` names. Not with ``adaptive``.
+    ascent_steps: the number of ascent steps n >= 1 (``None``: 1); a full step
+      evaluates n gradients besides the clean one.
+    mask: which params leaves are perturbed (see above); ``None``: all.
+    microbatches: split ``batch=`` into this many micro-batches (see above).
+    perturb_each_microbatch: one perturbation per micro-batch instead of one
+      for the whole batch.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` with state :class:`GSAMState`.
