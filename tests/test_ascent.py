@@ -171,3 +171,15 @@ def test_optax_masked_around_sam_names_the_mask_argument():
   loss_fn = functools.partial(loss_jax, x=jnp.asarray(x), t=jnp.asarray(t))
   with pytest.raises(ValueError, match=r"optax.masked.*mask=mask"):
     tx.update(jax.grad(loss_fn)(params), tx.init(params), params, loss_fn=loss_fn)
+
+
+def test_an_injected_eps_reaches_the_direction():
+  params, x, t = make_data(9)
+  params = jax.tree.map(lambda v: jnp.asarray(v, jnp.float32), params)
+  loss_fn = lambda p: loss_jax(p, jnp.asarray(x, jnp.float32), jnp.asarray(t, jnp.float32))
+  grads = jax.grad(loss_fn)(params)
+  plain = optax_gsam.gsam(RHO, ALPHA, eps=10.0)
+  injected = optax.inject_hyperparams(optax_gsam.gsam)(rho=RHO, alpha=ALPHA, eps=10.0)
+  expected, _ = plain.update(grads, plain.init(params), params, loss_fn=loss_fn)
+  got, _ = injected.update(grads, injected.init(params), params, loss_fn=loss_fn)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), got, expected)

@@ -43,7 +43,7 @@ def _scaled(tree: optax.Updates, scale: jax.Array, like: optax.Params) -> optax.
   )
 
 
-def _unit(direction: optax.Updates, eps: float, like: optax.Params) -> optax.Updates:
+def _unit(direction: optax.Updates, eps: float | jax.Array, like: optax.Params) -> optax.Updates:
   """:math:`d / (\\|d\\| + \\varepsilon)`, zero for a zero ``d``."""
   return _scaled(direction, 1.0 / (stable_global_norm(direction) + eps), like)
 
@@ -52,7 +52,7 @@ def _zeros_in_compute_dtype(params: optax.Params) -> optax.Updates:
   return jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), compute_dtype(jnp.result_type(p))), params)
 
 
-def normalized_ascent(eps: float = 1e-12) -> optax.GradientTransformation:
+def normalized_ascent(eps: float | jax.Array = 1e-12) -> optax.GradientTransformation:
   r"""SAM's ascent direction: the normalized gradient.
 
   .. math::
@@ -85,7 +85,7 @@ def normalized_ascent(eps: float = 1e-12) -> optax.GradientTransformation:
   return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
 
 
-def adaptive_ascent(kind: Adaptive, eps: float = 1e-12) -> optax.GradientTransformation:
+def adaptive_ascent(kind: Adaptive, eps: float | jax.Array = 1e-12) -> optax.GradientTransformation:
   r"""The scale-invariant ascent directions of GSAM's paper and of ASAM.
 
   .. math::
@@ -251,7 +251,9 @@ def vasso_ascent(theta: float = 0.4, *, eps: float = 1e-12) -> optax.GradientTra
   return optax.GradientTransformation(init_fn, update_fn)
 
 
-def ascent_from_adaptive(adaptive: Adaptive, eps: float) -> optax.GradientTransformation:
+def ascent_from_adaptive(
+  adaptive: Adaptive, eps: float | jax.Array
+) -> optax.GradientTransformation:
   """The direction that ``gsam(adaptive=...)`` names."""
   return normalized_ascent(eps) if adaptive is None else adaptive_ascent(adaptive, eps)
 

@@ -66,9 +66,7 @@ class Settings(NamedTuple):
   def direction(self) -> optax.GradientTransformation:
     if self.ascent is not None:
       return self.ascent
-    return ascent_from_adaptive(
-      self.adaptive, float(self.eps) if is_real_number(self.eps) else 1e-12
-    )
+    return ascent_from_adaptive(self.adaptive, self.eps)
 
   @property
   def per_device(self) -> bool:
