@@ -263,6 +263,7 @@ def test_jit_float32_and_progress():
 BAD_ARGUMENTS = [
   (lambda f, p, b: optax_gsam.hessian_eigenvalues(f, p, b, KEY, k=5, num_iterations=3), "k=5"),
   (lambda f, p, b: optax_gsam.hessian_eigenvalues(f, p, b, KEY, method="arnoldi"), "method"),
+  (lambda f, p, b: optax_gsam.hessian_eigenvalues(f, p, b, KEY, k=46, num_iterations=50), "k=46"),
   (lambda f, p, b: optax_gsam.hessian_eigenvalues(f, p, b, KEY, k=2, method="power"), "power"),
   (lambda f, p, b: optax_gsam.hessian_trace(f, p, b, KEY, num_probes=1), "num_probes"),
   (lambda f, p, b: optax_gsam.m_sharpness(f, p, b, rho=0.1, m=5), "m=5 must divide"),

@@ -305,6 +305,8 @@ def hessian_eigenvalues(
 
   def measure(params, batches, key, axis_name):
     hvp, dim, dtype = flat_hvp(loss_fn, params, batches, axis_name)
+    if k > dim:
+      raise ValueError(f"k={k} eigenvalues asked of a Hessian of dimension {dim}.")
     steps = min(num_iterations, dim)
     on_step = lambda i: report(progress, i + 1, steps)
     v0 = jax.random.normal(key, (dim,), dtype)
