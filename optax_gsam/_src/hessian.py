@@ -129,7 +129,7 @@ def flat_hvp(
 
 
 def hessian_vector_product(
-  loss_fn: LossFn,
+  loss_fn: Callable[[Any, Any], jax.Array],
   params: Any,
   batch: Any,
   vector: Any,
@@ -249,7 +249,7 @@ def _check_eigen_args(k: int, num_iterations: int, method: str) -> None:
 
 
 def hessian_eigenvalues(
-  loss_fn: LossFn,
+  loss_fn: Callable[[Any, Any], jax.Array],
   params: Any,
   batch: Any,
   key: jax.Array,
@@ -260,7 +260,7 @@ def hessian_eigenvalues(
   num_batches: int | None = None,
   axis_name: Hashable | None = None,
   mesh: jax.sharding.Mesh | None = None,
-  progress: Progress | None = None,
+  progress: Callable[[int, int], Any] | None = None,
 ) -> jax.Array:
   r"""The ``k`` largest eigenvalues of the loss's Hessian, by Lanczos (or power iteration).
 
@@ -341,7 +341,7 @@ class TraceEstimate(NamedTuple):
 
 
 def hessian_trace(
-  loss_fn: LossFn,
+  loss_fn: Callable[[Any, Any], jax.Array],
   params: Any,
   batch: Any,
   key: jax.Array,
@@ -350,7 +350,7 @@ def hessian_trace(
   num_batches: int | None = None,
   axis_name: Hashable | None = None,
   mesh: jax.sharding.Mesh | None = None,
-  progress: Progress | None = None,
+  progress: Callable[[int, int], Any] | None = None,
 ) -> TraceEstimate:
   r"""The Hessian trace by Hutchinson's estimator, with its standard error.
 
@@ -436,7 +436,7 @@ class SpectralDensity(NamedTuple):
 
 
 def hessian_spectral_density(
-  loss_fn: LossFn,
+  loss_fn: Callable[[Any, Any], jax.Array],
   params: Any,
   batch: Any,
   key: jax.Array,
@@ -446,7 +446,7 @@ def hessian_spectral_density(
   num_batches: int | None = None,
   axis_name: Hashable | None = None,
   mesh: jax.sharding.Mesh | None = None,
-  progress: Progress | None = None,
+  progress: Callable[[int, int], Any] | None = None,
 ) -> SpectralDensity:
   r"""The Hessian's spectral density by stochastic Lanczos quadrature (SLQ).
 

@@ -7,6 +7,7 @@ on the perturbation, the largest rise seen, averaged over the groups.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from collections.abc import Hashable
 from typing import Any
 
@@ -17,7 +18,6 @@ import numpy as np
 from optax_gsam._src.arrays import upcast
 from optax_gsam._src.hessian import Batches
 from optax_gsam._src.hessian import LossFn
-from optax_gsam._src.hessian import Progress
 from optax_gsam._src.hessian import as_batches
 from optax_gsam._src.hessian import on_devices
 from optax_gsam._src.hessian import report
@@ -69,7 +69,7 @@ def _group_sharpness(
 
 
 def m_sharpness(
-  loss_fn: LossFn,
+  loss_fn: Callable[[Any, Any], jax.Array],
   params: Any,
   batch: Any,
   *,
@@ -80,7 +80,7 @@ def m_sharpness(
   num_batches: int | None = None,
   axis_name: Hashable | None = None,
   mesh: jax.sharding.Mesh | None = None,
-  progress: Progress | None = None,
+  progress: Callable[[int, int], Any] | None = None,
 ) -> jax.Array:
   r"""Worst-case m-sharpness: the mean over groups of m examples of the largest rise in the ball.
 
