@@ -4,15 +4,20 @@ The demo's MLP on the demo's digits split, AdamW with warmup and cosine decay,
 every contender at its tuned values, several seeds per label-noise level (0, 20
 and 40% of the training labels replaced by a wrong class). Reported per contender:
 test accuracy, the share of corrupted labels the model fitted, and on the full
-training set (noisy labels) the final loss, the top Hessian eigenvalue and the
-surrogate gap at one fixed rho. Tables and what they say: benchmarks/README.md.
+training set (noisy labels) the final loss and the sharpness, measured with
+optax_gsam's measures: the top Hessian eigenvalue (Lanczos), the Hessian trace
+(Hutchinson), worst-case m-sharpness, adaptive sharpness, the surrogate gap at one
+fixed rho, and the spectral density (SLQ); and the top eigenvalue during training,
+every TRACK_EVERY epochs, with what tracking it costs. Tables and what they say:
+benchmarks/README.md.
 
-    python benchmarks/generalization.py           # full: 6 seeds, 60 epochs (~4 min, 2 cores)
-    python benchmarks/generalization.py --quick   # 2 seeds, 20 epochs (about a minute)
+    python benchmarks/generalization.py           # full: 6 seeds, 60 epochs
+    python benchmarks/generalization.py --quick   # 2 seeds, 20 epochs
     python benchmarks/generalization.py --tune    # the validation sweep behind DEFAULTS
 
-Writes ``results/generalization[_quick].json`` and a PNG (``--tune``:
-``results/generalization_tune.json``).
+Writes ``results/generalization[_quick].json`` and two PNGs, ``generalization[_quick].png``
+(accuracy) and ``generalization[_quick]_sharpness.png`` (lambda_max over training and the final
+spectral densities); ``--tune``: ``results/generalization_tune.json``.
 """
 
 from __future__ import annotations
@@ -25,10 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
-from jax.flatten_util import ravel_pytree
 
 import optax_gsam
 from optax_gsam import demo
@@ -38,8 +40,17 @@ from harness import Contender
 from harness import before_base
 
 TASK = harness.Task("digits", demo.MLP(), demo.load_digits, (0.0, 0.2, 0.4), 64, 60)
-GAP_RHO = 0.1  # the fixed radius of the surrogate-gap measurement, for every optimizer
-POWER_ITERATIONS = 50
+# The sharpness measured after training, on the full training set with its (noisy) labels.
+GAP_RHO = 0.1  # the fixed radius of the surrogate gap and of m-sharpness, for every optimizer
+LANCZOS_ITERATIONS = 20  # Hessian-vector products for lambda_max
+TRACE_PROBES = 10  # Hutchinson probes per run (the seeds average them further)
+M = 64  # m of m-sharpness: the training batch size
+ASCENT_STEPS = 5  # projected ascent steps per group of m examples
+ADAPTIVE_RHO = 0.5  # the radius of adaptive sharpness, relative to |w| (ASAM's CIFAR value)
+DENSITY_ITERATIONS = 30  # Lanczos steps of the spectral density (one probe per run)
+# lambda_max during training: every TRACK_EVERY epochs, TRACK_ITERATIONS products.
+TRACK_EVERY, TRACK_ITERATIONS = 10, 8
+COST_REPEATS = 3  # base is timed this many times with and without tracking (the fastest run)
 CONTENDERS: dict[str, Contender] = {
   **harness.CONTENDERS,
   "gsam k=5": Contender(
@@ -63,60 +74,71 @@ DEFAULTS: dict[str, dict[str, float]] = {
   "gsam": {"lr": 1e-3, "rho": 0.2, "alpha": 0.3},
   "gsam-lr": {"lr": 1e-3, "rho": 0.4, "alpha": 0.1},
 }
-METRICS = ("accuracy", "noise_fitted", "train_loss", "lambda_max", "gap")
+METRICS = (
+  "accuracy",
+  "noise_fitted",
+  "train_loss",
+  "lambda_max",
+  "trace",
+  "m_sharpness",
+  "adaptive_sharpness",
+  "gap",
+)
 
 
-def top_hessian_eigenvalue(
-  loss_fn: Callable, params: Any, key: jax.Array, iterations: int
-) -> jax.Array:
-  """Power iteration on Hessian-vector products (forward-over-reverse)."""
-  flat, unravel = ravel_pytree(params)
-
-  def hvp(v):
-    return ravel_pytree(jax.jvp(jax.grad(loss_fn), (params,), (unravel(v),))[1])[0]
-
-  def body(_, v):
-    w = hvp(v)
-    return w / (jnp.linalg.norm(w) + 1e-30)
-
-  v0 = jax.random.normal(key, flat.shape, flat.dtype)
-  v = jax.lax.fori_loop(0, iterations, body, v0 / jnp.linalg.norm(v0))
-  return jnp.vdot(v, hvp(v))
-
-
-def surrogate_gap(loss_fn: Callable, params: Any, rho: float) -> jax.Array:
-  """:math:`f(w + \\rho g / \\|g\\|) - f(w)` with the full-batch gradient ``g``."""
-  loss, grads = jax.value_and_grad(loss_fn)(params)
-  scale = rho / (optax.tree.norm(grads) + 1e-12)
-  return loss_fn(jax.tree.map(lambda w, g: w + scale * g, params, grads)) - loss
-
-
-def sharpness(full_loss: Callable, params: Any, key: jax.Array) -> dict[str, jax.Array]:
+def sharpness(loss_fn: Callable, params: Any, key: jax.Array, train_set: Any) -> dict[str, Any]:
   """Measured after training on the full training set with its (noisy) labels."""
+  eig_key, trace_key, density_key = jax.random.split(key, 3)
+  measure = functools.partial(optax_gsam.m_sharpness, loss_fn, params, rho=GAP_RHO)
+  # m-sharpness: the first M * (n // M) examples in groups of M.
+  groups = jax.tree.map(lambda a: a[: len(a) - len(a) % M], train_set)
+  density = optax_gsam.hessian_spectral_density(
+    loss_fn, params, train_set, density_key, num_probes=1, num_iterations=DENSITY_ITERATIONS
+  )
+  eigenvalues = optax_gsam.hessian_eigenvalues(
+    loss_fn, params, train_set, eig_key, num_iterations=LANCZOS_ITERATIONS
+  )
+  trace = optax_gsam.hessian_trace(loss_fn, params, train_set, trace_key, num_probes=TRACE_PROBES)
   return {
-    "lambda_max": top_hessian_eigenvalue(full_loss, params, key, POWER_ITERATIONS),
-    "gap": surrogate_gap(full_loss, params, GAP_RHO),
+    "lambda_max": eigenvalues[0],
+    "trace": trace.trace,
+    "m_sharpness": measure(groups, m=M, ascent_steps=ASCENT_STEPS),
+    "adaptive_sharpness": optax_gsam.m_sharpness(
+      loss_fn, params, train_set, rho=ADAPTIVE_RHO, ascent_steps=ASCENT_STEPS, adaptive=True
+    ),
+    "gap": measure(train_set, ascent_steps=1),  # f(w + rho g / ||g||) - f(w)
+    "density_eigenvalues": density.eigenvalues[0],
+    "density_weights": density.weights[0],
   }
 
 
+def track(loss_fn: Callable, params: Any, key: jax.Array, train_set: Any) -> dict[str, jax.Array]:
+  """lambda_max during training (fewer products than the final one)."""
+  top = optax_gsam.hessian_eigenvalues(
+    loss_fn, params, train_set, key, num_iterations=TRACK_ITERATIONS
+  )
+  return {"lambda_max": top[0]}
+
+
 def summarize(results: dict[str, list[tuple[harness.Run, dict]]]) -> list[dict]:
-  """Mean and std over seeds per (noise level, contender), and the mean accuracy curves."""
+  """Mean and std over seeds per (noise level, contender), the mean curves and the densities."""
   rows = []
   for noise in sorted({run.noise for pairs in results.values() for run, _ in pairs}):
     for name, pairs in results.items():
       metrics = [m for run, m in pairs if run.noise == noise]
       row: dict[str, Any] = {"noise": noise, "contender": name, "seeds": len(metrics)}
-      for key in (*METRICS, "accuracy_curve"):
+      for key in (*METRICS, "accuracy_curve", "lambda_max_track"):
         values = np.array([m[key] for m in metrics], dtype=np.float64)
         row[f"{key}_mean"], row[f"{key}_std"] = values.mean(0).tolist(), values.std(0).tolist()
       row["values"] = {key: [m[key] for m in metrics] for key in METRICS}
+      row["density"] = {k: [m[f"density_{k}"] for m in metrics] for k in ("eigenvalues", "weights")}
       rows.append(row)
   return rows
 
 
 def format_table(rows: list[dict]) -> str:
   header = ("noise", "optimizer", "test acc %", "noise fitted %", "train loss", "lambda_max")
-  cells = [(*header, f"gap@rho={GAP_RHO}")]
+  cells = [(*header, "trace", f"m-sharp m={M}", "adaptive", f"gap@rho={GAP_RHO}")]
   for r in rows:
     pm = lambda key, scale=1.0, digits=2, r=r: harness.mean_std(r["values"][key], scale, digits)
     cells.append(
@@ -126,7 +148,10 @@ def format_table(rows: list[dict]) -> str:
         pm("accuracy", 100),
         "-" if r["noise"] == 0 else pm("noise_fitted", 100, 1),
         pm("train_loss", digits=3),
-        pm("lambda_max", digits=1),
+        pm("lambda_max", digits=2),
+        pm("trace", digits=1),
+        pm("m_sharpness", digits=4),
+        pm("adaptive_sharpness", digits=4),
         pm("gap", digits=4),
       )
     )
@@ -134,7 +159,10 @@ def format_table(rows: list[dict]) -> str:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-  """Test accuracy per noise level (bars, ± std) and test-accuracy curves at the highest noise."""
+  """Test accuracy per noise level (bars, ± std) and test-accuracy curves at the highest noise.
+
+  Also ``<stem>_sharpness.png``: lambda_max over training and the final spectral densities.
+  """
   noises = sorted({r["noise"] for r in rows})
   names = list(dict.fromkeys(r["contender"] for r in rows))
   fig, (bars, curves) = harness.figure(1, 2, figsize=(10, 3.8))
@@ -158,6 +186,33 @@ def plot(rows: list[dict], path: Path) -> None:
   curves.set_title(f"{100 * noises[-1]:.0f}% label noise")
   curves.legend(fontsize=8)
   harness.save_figure(fig, path)
+  plot_sharpness(rows, noises, names, path.with_name(f"{path.stem}_sharpness.png"))
+
+
+def plot_sharpness(rows: list[dict], noises: list, names: list, path: Path) -> None:
+  """Per noise level: lambda_max over training (mean ± std) and the final SLQ densities."""
+  fig, axes = harness.figure(2, len(noises), figsize=(4 * len(noises), 7), squeeze=False)
+  for column, noise in enumerate(noises):
+    top, density = axes[0, column], axes[1, column]
+    sel = {n: next(r for r in rows if r["noise"] == noise and r["contender"] == n) for n in names}
+    nodes = np.concatenate([np.ravel(r["density"]["eigenvalues"]) for r in sel.values()])
+    grid = np.linspace(nodes.min(), nodes.max(), 400)
+    sigma = (nodes.max() - nodes.min()) / 200
+    for name, r in sel.items():
+      mean, std = (np.array(r[f"lambda_max_track_{k}"]) for k in ("mean", "std"))
+      epochs = np.flatnonzero(np.isfinite(mean)) + 1
+      top.errorbar(epochs, mean[epochs - 1], std[epochs - 1], marker="o", ms=3, label=name)
+      slq = optax_gsam.SpectralDensity(
+        *(np.array(r["density"][k]) for k in ("eigenvalues", "weights"))
+      )
+      density.semilogy(grid, np.maximum(np.asarray(slq.smoothed(grid, sigma)), 1e-6), label=name)
+    top.set(yscale="log", xlabel="epoch", ylabel="lambda_max (training set)")
+    top.set_title(f"{100 * noise:.0f}% label noise")
+    density.set(
+      xlabel="Hessian eigenvalue", ylabel="density (SLQ, seeds pooled)", ylim=(1e-6, None)
+    )
+  axes[0, 0].legend(fontsize=8)
+  harness.save_figure(fig, path)
 
 
 def tune(args, argv) -> dict:
@@ -178,6 +233,47 @@ def tune(args, argv) -> dict:
   )
 
 
+def tracking_cost(
+  contenders: dict, task: harness.Task, runs_of: Callable, timings: dict, every: int
+) -> dict:
+  """The share of training time that tracking lambda_max takes, on the cheapest contender.
+
+  The base optimizer is trained once more without tracking (same runs, same final
+  measurements); the share is the ratio of the two compiled programs' run times (each the
+  fastest of ``COST_REPEATS`` runs) minus 1.
+  """
+  if "base" not in contenders:
+    return {}
+  untracked: dict = {}
+  harness.run_batch(
+    contenders["base"],
+    task,
+    runs_of(DEFAULTS["base"]),
+    validation=False,
+    curves=True,
+    final_metrics=sharpness,
+    timings=untracked,
+    repeats=COST_REPEATS,
+  )
+  share = timings["base"]["run_s"] / untracked["run_s"] - 1
+  # The same absolute cost against each contender's own (tracked) training time.
+  cost_s = timings["base"]["run_s"] - untracked["run_s"]
+  shares = {name: cost_s / (t["run_s"] - cost_s) for name, t in timings.items()}
+  print(
+    f"tracking lambda_max every {every} epochs ({TRACK_ITERATIONS} products): "
+    f"{100 * share:.1f}% of base training time ({timings['base']['run_s']:.1f} s with, "
+    f"{untracked['run_s']:.1f} s without)"
+  )
+  return {
+    "contender": "base",
+    "track_every_epochs": every,
+    "tracked_run_s": timings["base"]["run_s"],
+    "untracked_run_s": untracked["run_s"],
+    "share": share,
+    "share_per_contender": shares,
+  }
+
+
 def main(argv: list[str] | None = None) -> dict:
   """Runs the benchmark; prints the table, writes JSON (and a PNG unless ``--no-plot``)."""
   parser = harness.parser(__doc__, CONTENDERS)
@@ -185,6 +281,7 @@ def main(argv: list[str] | None = None) -> dict:
   parser.add_argument("--epochs", type=int, default=None)
   parser.add_argument("--noise", type=float, nargs="*", default=list(TASK.noise_levels))
   parser.add_argument("--tune", action="store_true", help="run the hyperparameter sweep instead")
+  parser.add_argument("--track-every", type=int, default=TRACK_EVERY, help="epochs per lambda_max")
   args = parser.parse_args(argv)
   if args.tune:
     return tune(args, argv)
@@ -198,20 +295,35 @@ def main(argv: list[str] | None = None) -> dict:
   )
   start = time.perf_counter()
   results: dict[str, list[tuple[harness.Run, dict]]] = {}
+  timings: dict[str, dict] = {}
+  runs_of = lambda hp: [
+    harness.Run(n, s, hp["lr"], hp["rho"], hp["alpha"]) for n in args.noise for s in range(seeds)
+  ]
   for name, contender in contenders.items():
-    hp = hparams[name]
-    runs = [
-      harness.Run(n, s, hp["lr"], hp["rho"], hp["alpha"]) for n in args.noise for s in range(seeds)
-    ]
+    runs = runs_of(hparams[name])
+    timings[name] = {}
     out, _ = harness.run_batch(
-      contender, task, runs, validation=False, curves=True, final_metrics=sharpness
+      contender,
+      task,
+      runs,
+      validation=False,
+      curves=True,
+      final_metrics=sharpness,
+      track=track,
+      track_every=args.track_every,
+      timings=timings[name],
+      repeats=COST_REPEATS if name == "base" else 1,
     )
     results[name] = list(zip(runs, out, strict=True))
   rows = summarize(results)
   print(format_table(rows))
+  cost = tracking_cost(contenders, task, runs_of, timings, args.track_every)
   seconds = time.perf_counter() - start
   print(
-    f"lambda_max and gap: full training set, training (noisy) labels; gap at rho={GAP_RHO} for every optimizer. {seconds:.0f} s."
+    f"Sharpness: full training set, training (noisy) labels; lambda_max by Lanczos "
+    f"({LANCZOS_ITERATIONS} products), trace by Hutchinson ({TRACE_PROBES} probes), m-sharpness "
+    f"(rho={GAP_RHO}) and adaptive sharpness (rho={ADAPTIVE_RHO}) by {ASCENT_STEPS} ascent "
+    f"steps, gap = one step at rho={GAP_RHO}. {seconds:.0f} s."
   )
   result = {
     "seconds": seconds,
@@ -221,6 +333,18 @@ def main(argv: list[str] | None = None) -> dict:
     "hparams": hparams,
     "gap_rho": GAP_RHO,
     "sharpness_labels": "training labels (noisy)",
+    "sharpness_settings": {
+      "lanczos_iterations": LANCZOS_ITERATIONS,
+      "trace_probes": TRACE_PROBES,
+      "m": M,
+      "ascent_steps": ASCENT_STEPS,
+      "adaptive_rho": ADAPTIVE_RHO,
+      "density_iterations": DENSITY_ITERATIONS,
+      "track_every_epochs": args.track_every,
+      "track_iterations": TRACK_ITERATIONS,
+    },
+    "timings": timings,
+    "tracking_cost": cost,
     "rows": rows,
   }
   draw = None if args.no_plot else functools.partial(plot, rows)

@@ -235,11 +235,17 @@ def make_train(
   *,
   curves: bool = False,
   final_metrics: Callable | None = None,
+  track: Callable | None = None,
+  track_every: int = 10,
 ) -> tuple[Callable, int]:
   """A jitted, vmapped ``(lr, rho, alpha, key, y_train, y_eval, y_clean) -> metrics`` and its steps.
 
   AdamW with a linear warmup (5% of the steps) and a cosine decay to 1% of the peak.
-  ``final_metrics(full_loss, params, key)`` adds entries measured after training.
+  ``final_metrics(loss_fn, params, key, train_set)`` adds entries measured after training,
+  with ``loss_fn(params, (x, y))`` and ``train_set = (x_train, y_train)``;
+  ``track`` (same arguments, a dict of scalars) is measured after every
+  ``track_every``-th epoch, under a ``lax.cond`` (its predicate is not batched, so the
+  other epochs skip it), into ``<name>_track`` curves with NaN at the epochs skipped.
   """
   model, n, batch = task.model, len(x_train), task.batch_size
   steps_per_epoch = n // batch
@@ -260,18 +266,29 @@ def make_train(
       params, opt_state, loss = step(*carry, x_train[idx], y_train[idx])
       return (params, opt_state), loss
 
-    def epoch(carry, epoch_key):
+    batch_loss = lambda p, xy: cross_entropy(model.apply(p, xy[0]), xy[1])
+    train_set = (x_train, y_train)
+    full_loss = lambda p: batch_loss(p, train_set)
+
+    def tracked(params, index):
+      measure = lambda p: track(batch_loss, p, jax.random.fold_in(extra_key, index), train_set)
+      skip = lambda p: jax.tree.map(
+        lambda s: jnp.full(s.shape, jnp.nan, s.dtype), jax.eval_shape(measure, p)
+      )
+      return jax.lax.cond((index + 1) % track_every == 0, measure, skip, params)
+
+    def epoch(carry, inputs):
+      epoch_key, index = inputs
       order = jax.random.permutation(epoch_key, n)[: steps_per_epoch * batch]
       carry, losses = jax.lax.scan(batch_step, carry, order.reshape(steps_per_epoch, batch))
-      if not curves:
-        return carry, None
-      return carry, (losses.mean(), accuracy(carry[0]))
+      out = (losses.mean(), accuracy(carry[0])) if curves else ()
+      return carry, (out, tracked(carry[0], index) if track is not None else {})
 
     params = model.init(init_key, x_train[:1])
-    (params, opt_state), curve = jax.lax.scan(
-      epoch, (params, tx.init(params)), jax.random.split(data_key, task.epochs)
+    epochs = (jax.random.split(data_key, task.epochs), jnp.arange(task.epochs))
+    (params, opt_state), (curve, track_curves) = jax.lax.scan(
+      epoch, (params, tx.init(params)), epochs
     )
-    full_loss = lambda p: cross_entropy(model.apply(p, x_train), y_train)
     fitted = jnp.argmax(model.apply(params, x_train), axis=-1) == y_train
     corrupted = y_train != y_clean
     out = {
@@ -282,8 +299,9 @@ def make_train(
     }
     if curves:
       out["train_loss_curve"], out["accuracy_curve"] = curve
+    out.update({f"{name}_track": values for name, values in track_curves.items()})
     if final_metrics is not None:
-      out.update(final_metrics(full_loss, params, extra_key))
+      out.update(final_metrics(batch_loss, params, extra_key, train_set))
     return out
 
   return jax.jit(jax.vmap(train_one)), num_steps
@@ -297,9 +315,17 @@ def run_batch(
   validation: bool,
   curves: bool = False,
   final_metrics: Callable | None = None,
+  track: Callable | None = None,
+  track_every: int = 10,
   compiler_options: dict | None = None,
+  timings: dict | None = None,
+  repeats: int = 1,
 ) -> tuple[list[dict], int]:
   """Trains every run of one contender together; one metrics dict per run, and the steps.
+
+  ``track``/``track_every``: see :func:`make_train`. ``timings``, when given, receives
+  ``compile_s`` and ``run_s``: the compiled program's execution alone, the fastest of
+  ``repeats`` runs.
 
   With ``validation``, the model trains on 80% of the training set (a fixed
   permutation) and is evaluated on the other 20%, whose labels are as noisy as the
@@ -316,7 +342,14 @@ def run_batch(
   x_eval = first.x_train[eval_idx] if validation else first.x_test
   y_eval = [d.y_train[eval_idx] if validation else d.y_test for d in datasets]
   train, num_steps = make_train(
-    contender, task, x_train, x_eval, curves=curves, final_metrics=final_metrics
+    contender,
+    task,
+    x_train,
+    x_eval,
+    curves=curves,
+    final_metrics=final_metrics,
+    track=track,
+    track_every=track_every,
   )
   as_array = lambda field: jnp.asarray([getattr(r, field) for r in runs], jnp.float32)
   inputs = (
@@ -328,7 +361,15 @@ def run_batch(
     np.stack(y_eval),
     np.stack([clean[train_idx]] * len(runs)),
   )
-  out = jax.tree.map(np.asarray, train.lower(*inputs).compile(compiler_options)(*inputs))
+  start = time.perf_counter()
+  compiled = train.lower(*inputs).compile(compiler_options)
+  compile_s, run_s = time.perf_counter() - start, []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    out = jax.tree.map(np.asarray, jax.block_until_ready(compiled(*inputs)))
+    run_s.append(time.perf_counter() - start)
+  if timings is not None:
+    timings.update(compile_s=compile_s, run_s=min(run_s), runs_s=run_s)
   return [{k: v[i].tolist() for k, v in out.items()} for i in range(len(runs))], num_steps
 
 

@@ -17,6 +17,12 @@ from optax_gsam._src.contrastive import siglip_loss
 from optax_gsam._src.distributed import data_parallel
 from optax_gsam._src.distributed import emulate_devices
 from optax_gsam._src.gradient_cache import cached_value_and_grad
+from optax_gsam._src.hessian import SpectralDensity
+from optax_gsam._src.hessian import TraceEstimate
+from optax_gsam._src.hessian import hessian_eigenvalues
+from optax_gsam._src.hessian import hessian_spectral_density
+from optax_gsam._src.hessian import hessian_trace
+from optax_gsam._src.hessian import hessian_vector_product
 from optax_gsam._src.momentum_sam import MomentumSAMState
 from optax_gsam._src.momentum_sam import momentum_sam
 from optax_gsam._src.perturbation import GradientStats
@@ -39,6 +45,7 @@ from optax_gsam._src.sharpness import GSAMState
 from optax_gsam._src.sharpness import full_step_due
 from optax_gsam._src.sharpness import gsam
 from optax_gsam._src.sharpness import sam
+from optax_gsam._src.worst_case import m_sharpness
 
 __version__ = "0.1.0"
 
@@ -50,6 +57,8 @@ __all__ = (
   "MomentumSAMState",
   "RandomPolicyState",
   "SharpnessPolicy",
+  "SpectralDensity",
+  "TraceEstimate",
   "VassoState",
   "adaptive_ascent",
   "cached_value_and_grad",
@@ -64,6 +73,11 @@ __all__ = (
   "gradient_norm_policy",
   "gradient_stats",
   "gsam",
+  "hessian_eigenvalues",
+  "hessian_spectral_density",
+  "hessian_trace",
+  "hessian_vector_product",
+  "m_sharpness",
   "momentum_sam",
   "normalized_ascent",
   "orthogonal_component",

@@ -69,9 +69,11 @@ def test_generalization_smoke(tmp_path, monkeypatch):
   for row in saved["rows"]:
     assert row["seeds"] == 1 and len(row["accuracy_curve_mean"]) == 1
     assert 0.1 < row["accuracy_mean"] <= 1.0  # better than chance after an epoch
-    for key in ("noise_fitted", "train_loss", "lambda_max", "gap"):
+    for key in ("noise_fitted", "train_loss", "lambda_max", "trace", "m_sharpness", "gap"):
       assert math.isfinite(row[f"{key}_mean"]), key
     assert row["lambda_max_mean"] > 0
+    assert row["m_sharpness_mean"] > 0 and row["trace_mean"] > 0
+    assert len(row["density"]["weights"][0]) == generalization.DENSITY_ITERATIONS
 
 
 def test_accelerator_script_refuses_the_cpu_and_plans_every_benchmark(tmp_path):
