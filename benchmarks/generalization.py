@@ -14,10 +14,12 @@ benchmarks/README.md.
     python benchmarks/generalization.py           # full: 6 seeds, 60 epochs
     python benchmarks/generalization.py --quick   # 2 seeds, 20 epochs
     python benchmarks/generalization.py --tune    # the validation sweep behind DEFAULTS
+    python benchmarks/generalization.py --cost    # only what tracking lambda_max costs
 
 Writes ``results/generalization[_quick].json`` and two PNGs, ``generalization[_quick].png``
 (accuracy) and ``generalization[_quick]_sharpness.png`` (lambda_max over training and the final
-spectral densities); ``--tune``: ``results/generalization_tune.json``.
+spectral densities); ``--tune``: ``results/generalization_tune.json``; ``--cost``:
+``results/generalization_cost.json``.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ ADAPTIVE_RHO = 0.5  # the radius of adaptive sharpness, relative to |w| (ASAM's 
 DENSITY_ITERATIONS = 30  # Lanczos steps of the spectral density (one probe per run)
 # lambda_max during training: every TRACK_EVERY epochs, TRACK_ITERATIONS products.
 TRACK_EVERY, TRACK_ITERATIONS = 10, 8
-COST_REPEATS = 3  # base is timed this many times with and without tracking (the fastest run)
+COST_ROUNDS = 3  # base is timed this many times with and without tracking, interleaved
 CONTENDERS: dict[str, Contender] = {
   **harness.CONTENDERS,
   "gsam k=5": Contender(
@@ -233,45 +235,52 @@ def tune(args, argv) -> dict:
   )
 
 
-def tracking_cost(
-  contenders: dict, task: harness.Task, runs_of: Callable, timings: dict, every: int
-) -> dict:
+def tracking_cost(task: harness.Task, runs: list[harness.Run], every: int) -> dict:
   """The share of training time that tracking lambda_max takes, on the cheapest contender.
 
-  The base optimizer is trained once more without tracking (same runs, same final
-  measurements); the share is the ratio of the two compiled programs' run times (each the
-  fastest of ``COST_REPEATS`` runs) minus 1.
+  The base optimizer's training of ``runs`` is compiled with and without tracking (no
+  final measurements in either) and the two programs run in turn, ``COST_ROUNDS`` times
+  each, alternating which goes first; the share is the median of the paired ratios
+  minus 1, so a change in the machine's load between rounds cancels.
   """
-  if "base" not in contenders:
-    return {}
-  untracked: dict = {}
-  harness.run_batch(
-    contenders["base"],
-    task,
-    runs_of(DEFAULTS["base"]),
-    validation=False,
-    curves=True,
-    final_metrics=sharpness,
-    timings=untracked,
-    repeats=COST_REPEATS,
-  )
-  share = timings["base"]["run_s"] / untracked["run_s"] - 1
-  # The same absolute cost against each contender's own (tracked) training time.
-  cost_s = timings["base"]["run_s"] - untracked["run_s"]
-  shares = {name: cost_s / (t["run_s"] - cost_s) for name, t in timings.items()}
+  x_train, x_eval, inputs = harness.batch_inputs(task, runs, validation=False)
+  programs = {}
+  for tracked in (True, False):
+    train, _ = harness.make_train(
+      CONTENDERS["base"], task, x_train, x_eval, track=track if tracked else None, track_every=every
+    )
+    programs[tracked] = train.lower(*inputs).compile()
+  seconds: dict[bool, list[float]] = {True: [], False: []}
+  for i in range(COST_ROUNDS):
+    for tracked in (True, False) if i % 2 == 0 else (False, True):
+      start = time.perf_counter()
+      jax.block_until_ready(programs[tracked](*inputs))
+      seconds[tracked].append(time.perf_counter() - start)
+  ratios = np.array(seconds[True]) / np.array(seconds[False])
+  share = float(np.median(ratios) - 1)
   print(
     f"tracking lambda_max every {every} epochs ({TRACK_ITERATIONS} products): "
-    f"{100 * share:.1f}% of base training time ({timings['base']['run_s']:.1f} s with, "
-    f"{untracked['run_s']:.1f} s without)"
+    f"{100 * share:.1f}% of base training time (median of {COST_ROUNDS} paired ratios "
+    f"{np.round(ratios, 3).tolist()}; {len(runs)} runs of {task.epochs} epochs)"
   )
   return {
     "contender": "base",
     "track_every_epochs": every,
-    "tracked_run_s": timings["base"]["run_s"],
-    "untracked_run_s": untracked["run_s"],
+    "runs": len(runs),
+    "epochs": task.epochs,
+    "seconds_tracked": seconds[True],
+    "seconds_untracked": seconds[False],
     "share": share,
-    "share_per_contender": shares,
   }
+
+
+def cost_only(args, argv) -> dict:
+  """``--cost``: the tracking cost alone, on the base optimizer's runs at the last noise level."""
+  task = dataclasses.replace(TASK, epochs=args.epochs or TASK.epochs)
+  hp = DEFAULTS["base"]
+  runs = [harness.Run(args.noise[-1], s, hp["lr"], 0.0) for s in range(args.seeds or 6)]
+  result = tracking_cost(task, runs, args.track_every)
+  return harness.save("generalization_cost", "full", result, args.out_dir, argv)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -282,9 +291,12 @@ def main(argv: list[str] | None = None) -> dict:
   parser.add_argument("--noise", type=float, nargs="*", default=list(TASK.noise_levels))
   parser.add_argument("--tune", action="store_true", help="run the hyperparameter sweep instead")
   parser.add_argument("--track-every", type=int, default=TRACK_EVERY, help="epochs per lambda_max")
+  parser.add_argument("--cost", action="store_true", help="only measure what tracking costs")
   args = parser.parse_args(argv)
   if args.tune:
     return tune(args, argv)
+  if args.cost:
+    return cost_only(args, argv)
   mode = "quick" if args.quick else "full"
   seeds = args.seeds or (2 if args.quick else 6)
   task = dataclasses.replace(TASK, epochs=args.epochs or (20 if args.quick else TASK.epochs))
@@ -312,12 +324,14 @@ def main(argv: list[str] | None = None) -> dict:
       track=track,
       track_every=args.track_every,
       timings=timings[name],
-      repeats=COST_REPEATS if name == "base" else 1,
     )
     results[name] = list(zip(runs, out, strict=True))
   rows = summarize(results)
   print(format_table(rows))
-  cost = tracking_cost(contenders, task, runs_of, timings, args.track_every)
+  cost = {}
+  if "base" in contenders:
+    cost_runs = [r for r in runs_of(DEFAULTS["base"]) if r.noise == args.noise[-1]]
+    cost = tracking_cost(task, cost_runs, args.track_every)
   seconds = time.perf_counter() - start
   print(
     f"Sharpness: full training set, training (noisy) labels; lambda_max by Lanczos "

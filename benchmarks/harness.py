@@ -307,6 +307,30 @@ def make_train(
   return jax.jit(jax.vmap(train_one)), num_steps
 
 
+def batch_inputs(task: Task, runs: list[Run], *, validation: bool) -> tuple[Any, Any, tuple]:
+  """``x_train``, ``x_eval`` and the vmapped train function's inputs for ``runs`` (see run_batch)."""
+  datasets = [task.load(r.noise, r.seed) for r in runs]
+  first, clean = datasets[0], task.load(0.0, 0).y_train
+  train_idx = eval_idx = slice(None)
+  if validation:
+    order = np.random.default_rng(0).permutation(len(clean))
+    train_idx, eval_idx = order[: int(0.8 * len(order))], order[int(0.8 * len(order)) :]
+  x_train = first.x_train[train_idx]
+  x_eval = first.x_train[eval_idx] if validation else first.x_test
+  y_eval = [d.y_train[eval_idx] if validation else d.y_test for d in datasets]
+  as_array = lambda field: jnp.asarray([getattr(r, field) for r in runs], jnp.float32)
+  inputs = (
+    as_array("lr"),
+    as_array("rho"),
+    as_array("alpha"),
+    jax.vmap(jax.random.key)(jnp.asarray([r.seed for r in runs])),
+    np.stack([d.y_train[train_idx] for d in datasets]),
+    np.stack(y_eval),
+    np.stack([clean[train_idx]] * len(runs)),
+  )
+  return x_train, x_eval, inputs
+
+
 def run_batch(
   contender: Contender,
   task: Task,
@@ -319,28 +343,18 @@ def run_batch(
   track_every: int = 10,
   compiler_options: dict | None = None,
   timings: dict | None = None,
-  repeats: int = 1,
 ) -> tuple[list[dict], int]:
   """Trains every run of one contender together; one metrics dict per run, and the steps.
 
   ``track``/``track_every``: see :func:`make_train`. ``timings``, when given, receives
-  ``compile_s`` and ``run_s``: the compiled program's execution alone, the fastest of
-  ``repeats`` runs.
+  ``compile_s`` and ``run_s`` (the compiled program's execution alone).
 
   With ``validation``, the model trains on 80% of the training set (a fixed
   permutation) and is evaluated on the other 20%, whose labels are as noisy as the
   training labels; otherwise it trains on the whole training set and is evaluated
   on the clean test set.
   """
-  datasets = [task.load(r.noise, r.seed) for r in runs]
-  first, clean = datasets[0], task.load(0.0, 0).y_train
-  train_idx = eval_idx = slice(None)
-  if validation:
-    order = np.random.default_rng(0).permutation(len(clean))
-    train_idx, eval_idx = order[: int(0.8 * len(order))], order[int(0.8 * len(order)) :]
-  x_train = first.x_train[train_idx]
-  x_eval = first.x_train[eval_idx] if validation else first.x_test
-  y_eval = [d.y_train[eval_idx] if validation else d.y_test for d in datasets]
+  x_train, x_eval, inputs = batch_inputs(task, runs, validation=validation)
   train, num_steps = make_train(
     contender,
     task,
@@ -351,25 +365,12 @@ def run_batch(
     track=track,
     track_every=track_every,
   )
-  as_array = lambda field: jnp.asarray([getattr(r, field) for r in runs], jnp.float32)
-  inputs = (
-    as_array("lr"),
-    as_array("rho"),
-    as_array("alpha"),
-    jax.vmap(jax.random.key)(jnp.asarray([r.seed for r in runs])),
-    np.stack([d.y_train[train_idx] for d in datasets]),
-    np.stack(y_eval),
-    np.stack([clean[train_idx]] * len(runs)),
-  )
   start = time.perf_counter()
   compiled = train.lower(*inputs).compile(compiler_options)
-  compile_s, run_s = time.perf_counter() - start, []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    out = jax.tree.map(np.asarray, jax.block_until_ready(compiled(*inputs)))
-    run_s.append(time.perf_counter() - start)
+  compiled_at = time.perf_counter()
+  out = jax.tree.map(np.asarray, jax.block_until_ready(compiled(*inputs)))
   if timings is not None:
-    timings.update(compile_s=compile_s, run_s=min(run_s), runs_s=run_s)
+    timings.update(compile_s=compiled_at - start, run_s=time.perf_counter() - compiled_at)
   return [{k: v[i].tolist() for k, v in out.items()} for i in range(len(runs))], num_steps
 
 
