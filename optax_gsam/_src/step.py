@@ -184,9 +184,9 @@ def choose(
 ) -> Outcome:
   """Stage 2b: run one branch, fixed statically (``perturb``, a static ``due``) or by ``lax.cond``.
 
-  The ``lax.cond`` is laid out so that XLA's buffer assignment gives it the
-  full step's peak memory (on the TPU compiler, within 0.3% of the static full
-  step's instead of 1.7x):
+  The ``lax.cond`` is laid out so that XLA's buffer assignment gives it about
+  the full step's peak memory (ViT-B/32 on the TPU compiler, float32: 3.61 GiB,
+  the static full step's, instead of 6.14; see benchmarks/README.md):
 
   * the full step is branch 0. Buffer assignment reserves a conditional's
     output buffers from their first definition in its flattened schedule,
