@@ -5,14 +5,15 @@ pytrees to pytrees and scalars, so the optax transforms, the big_vision adapter
 and the tests of every one of them share one implementation of the formulas.
 
 Numerics. Norms and inner products accumulate in at least float32 (float64
-stays float64). One pass over the leaves forms each sum three times: plainly,
-and with every entry scaled by :math:`2^{-72}` and by :math:`2^{72}`. Scalar
-selects then keep the plain sum unless it overflowed or lost entries to
-underflow, and fall back on the scaled sum that did not. That keeps norms and
-cosines exact in relative terms for float32 gradients from about 1e-30 to 1e30
-with no conditional over the gradient trees, so compiled programs neither
-count a branch that never runs nor hold extra copies of the gradients. Complex
-leaves count as pairs of reals: norms sum :math:`|x|^2` and inner products are
+stays float64). Each tree is first scaled by the power of two that brings its
+largest entry into [0.5, 1): the scaling is exact, no square or product of
+scaled entries overflows, and the entries that underflow are too small to
+change a norm or a cosine. So norms and cosines are exact in relative terms for
+float32 gradients from about 1e-30 to 1e30, at the cost of one more reduction
+(the largest entry) per tree and no conditional over the gradient trees:
+compiled programs neither count a branch that never runs nor hold extra copies
+of the gradients. Complex leaves count as pairs of reals: norms sum
+:math:`|x|^2` and inner products are
 :math:`\\operatorname{Re}\\sum \\bar a b`, as optax's own complex support
 does. Every division is guarded: a zero gradient produces a zero perturbation
 and a finite output.
@@ -27,16 +28,15 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_gsam._src.arrays import real_dtype
 from optax_gsam._src.arrays import upcast
 from optax_gsam.typing import Adaptive
 
 ADAPTIVE_CHOICES = (None, "gsam", "asam")
 
-# Entries are scaled by 2^-72 and 2^72 for the fallback sums: squares of float32
-# values up to the largest finite one stay finite after 2^-72, and those down to
-# about 1e-38 stay normal after 2^72.
-_RANGE_SCALE = 2.0**72
+# Each tree is scaled by the power of two that brings its largest entry into
+# [0.5, 1). The exponent is clipped to +-120 so that the scale itself stays a
+# normal float32.
+_EXPONENT_LIMIT = 120
 
 
 def _safe_inverse(x: jax.Array) -> jax.Array:
@@ -45,88 +45,47 @@ def _safe_inverse(x: jax.Array) -> jax.Array:
   return jnp.where(positive, 1.0 / jnp.where(positive, x, 1.0), 0.0)
 
 
-class _RangeSums(NamedTuple):
-  """:math:`\\sum_i \\operatorname{Re}(\\bar a_i b_i)` as plain, and with both factors scaled down or up."""
-
-  plain: jax.Array
-  down: jax.Array  # the sum times 2^-144
-  up: jax.Array  # the sum times 2^144
+def _real_parts(x: jax.Array) -> list[jax.Array]:
+  """A leaf in its accumulation dtype; a complex one as its real and imaginary parts."""
+  x = upcast(x)
+  return [jnp.real(x), jnp.imag(x)] if jnp.iscomplexobj(x) else [x]
 
 
-def _leaf_sums(a: jax.Array, b: jax.Array) -> _RangeSums:
-  a, b = upcast(a), upcast(b)
-  if jnp.iscomplexobj(a) or jnp.iscomplexobj(b):  # Re(conj(a) b) over (real, imag) pairs.
-    pairs = [(jnp.real(a), jnp.real(b)), (jnp.imag(a), jnp.imag(b))]
-  else:
-    pairs = [(a, b)]
-
-  def total(scale):
-    terms = [jnp.sum((x * scale) * (y * scale)) for x, y in pairs]
-    return functools.reduce(jnp.add, terms)
-
-  return _RangeSums(total(1.0), total(1.0 / _RANGE_SCALE), total(_RANGE_SCALE))
+def _exponent(tree: optax.Params) -> jax.Array:
+  """e with max |x| = m 2^e, m in [0.5, 1); clipped to +-120, and 0 for a zero or non-finite max."""
+  maxima = [jnp.max(jnp.abs(p)) for x in jax.tree.leaves(tree) if x.size for p in _real_parts(x)]
+  if not maxima:
+    return jnp.zeros((), jnp.int32)
+  _, exponent = jnp.frexp(functools.reduce(jnp.maximum, maxima))
+  return jnp.clip(exponent, -_EXPONENT_LIMIT, _EXPONENT_LIMIT)
 
 
-def _range_sums(a: optax.Params, b: optax.Params) -> _RangeSums:
-  """:class:`_RangeSums` over two pytrees of one structure, in one pass over their leaves."""
-  zero = jnp.zeros((), jnp.float32)
-  sums = _RangeSums(zero, zero, zero)
+def _scaled_dot(a: optax.Params, b: optax.Params, exp_a: jax.Array, exp_b: jax.Array) -> jax.Array:
+  """The inner product of ``a`` scaled by 2^-exp_a and ``b`` scaled by 2^-exp_b (exact scalings)."""
+  total = jnp.zeros((), jnp.float32)
   for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-    sums = jax.tree.map(jnp.add, sums, _leaf_sums(x, y))
-  return sums
+    for p, q in zip(_real_parts(x), _real_parts(y), strict=True):
+      total = total + jnp.sum(_unscale(p, -exp_a) * _unscale(q, -exp_b))
+  return total
 
 
-def _underflow_floor(tree: optax.Params) -> float:
-  """Below this, a plain sum may have lost entries to underflow beyond ``eps`` relative.
-
-  Each of the ``size`` products can lose at most the smallest normal number,
-  so the sum is accurate when it is at least ``size * tiny / eps`` of the
-  narrowest accumulation dtype in the tree.
-  """
-  leaves = jax.tree.leaves(tree)
-  ratios = [
-    jnp.finfo(real_dtype(x.dtype)).tiny / jnp.finfo(real_dtype(x.dtype)).eps for x in leaves
-  ]
-  return float(optax.tree.size(tree)) * float(max(ratios, default=0.0))
+def _scaled_norm(tree: optax.Params, exponent: jax.Array) -> jax.Array:
+  """The norm of ``tree`` scaled by 2^-exponent."""
+  return jnp.sqrt(_scaled_dot(tree, tree, exponent, exponent))
 
 
-def _plain_is_accurate(plain: jax.Array, magnitude: jax.Array, floor: float) -> jax.Array:
-  return jnp.isfinite(plain) & (magnitude >= floor)
-
-
-def _norm_from(sums: _RangeSums, floor: float) -> jax.Array:
-  """The square root of a sum of squares, taken from whichever of its three forms is exact."""
-  rescaled = jnp.where(
-    jnp.isfinite(sums.plain),
-    jnp.sqrt(sums.up) / _RANGE_SCALE,  # underflowed
-    jnp.sqrt(sums.down) * _RANGE_SCALE,  # overflowed, or not finite at all
-  )
-  return jnp.where(
-    _plain_is_accurate(sums.plain, sums.plain, floor), jnp.sqrt(sums.plain), rescaled
-  )
-
-
-def _cosine_from(dot: _RangeSums, norm_a: jax.Array, norm_b: jax.Array, floor: float) -> jax.Array:
-  """:math:`\\langle a, b\\rangle / (\\|a\\| \\|b\\|)`, 0 when either norm is 0."""
-  inverse_a, inverse_b = _safe_inverse(norm_a), _safe_inverse(norm_b)
-  # The scaled sums carry 2^-144 or 2^144; each norm's inverse absorbs half of it.
-  rescaled = jnp.where(
-    jnp.isfinite(dot.plain),
-    (dot.up * (inverse_a / _RANGE_SCALE)) * (inverse_b / _RANGE_SCALE),
-    (dot.down * (inverse_a * _RANGE_SCALE)) * (inverse_b * _RANGE_SCALE),
-  )
-  accurate = _plain_is_accurate(dot.plain, norm_a * norm_b, floor)
-  return jnp.where(accurate, dot.plain * inverse_a * inverse_b, rescaled)
+def _unscale(value: jax.Array, exponent: jax.Array) -> jax.Array:
+  return value * jnp.ldexp(jnp.ones((), value.dtype), exponent)
 
 
 def stable_global_norm(tree: optax.Params) -> jax.Array:
   r"""Global L2 norm :math:`\|x\|_2` of a pytree, exact across float32's whole range.
 
   Unlike ``optax.tree.norm``, it accumulates bfloat16 and float16 leaves in
-  float32 and neither overflows nor underflows: one pass forms the sum of
-  squares plainly and with every entry scaled by :math:`2^{\mp 72}`, and a
-  scalar select keeps the form that is exact (see the module notes). Complex
-  leaves contribute :math:`|x|^2`.
+  float32 and neither overflows nor underflows: the sum of squares is taken
+  with every entry scaled by the power of two that brings the largest one
+  into [0.5, 1) (see the module notes). Complex leaves contribute
+  :math:`|x|^2`.
 
   Args:
     tree: a pytree of arrays.
@@ -141,7 +100,8 @@ def stable_global_norm(tree: optax.Params) -> jax.Array:
     >>> float(optax_gsam.stable_global_norm(big)) == 2.0**101
     True
   """
-  return _norm_from(_range_sums(tree, tree), _underflow_floor(tree))
+  exponent = _exponent(tree)
+  return _unscale(_scaled_norm(tree, exponent), exponent)
 
 
 class GradientStats(NamedTuple):
@@ -160,11 +120,12 @@ class GradientStats(NamedTuple):
 
 
 def _pair_stats(a: optax.Updates, b: optax.Updates) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """``(|a|, |b|, cos(a, b))`` from one pass over both trees."""
-  floor = max(_underflow_floor(a), _underflow_floor(b))
-  norm_a = _norm_from(_range_sums(a, a), floor)
-  norm_b = _norm_from(_range_sums(b, b), floor)
-  return norm_a, norm_b, _cosine_from(_range_sums(a, b), norm_a, norm_b, floor)
+  """``(|a|, |b|, cos(a, b))``, each tree scaled by a power of two near its largest entry."""
+  exp_a, exp_b = _exponent(a), _exponent(b)
+  scaled_a, scaled_b = _scaled_norm(a, exp_a), _scaled_norm(b, exp_b)
+  dot = _scaled_dot(a, b, exp_a, exp_b)
+  cosine = dot * _safe_inverse(scaled_a) * _safe_inverse(scaled_b)
+  return _unscale(scaled_a, exp_a), _unscale(scaled_b, exp_b), cosine
 
 
 def gradient_stats(clean_grads: optax.Updates, perturbed_grads: optax.Updates) -> GradientStats:

@@ -216,12 +216,26 @@ def choose(
   cheap: Callable[[], Outcome],
   perturb: bool | None,
 ) -> Outcome:
-  """Stage 2b: run one branch, fixed statically (``perturb``, a static ``due``) or by ``lax.cond``."""
+  """Stage 2b: run one branch, fixed statically (``perturb``, a static ``due``) or by ``lax.cond``.
+
+  The ``lax.cond`` is laid out so that XLA's buffer assignment gives it about
+  the full step's peak memory (ViT-B/32 on the TPU compiler, float32: 3.61 GiB,
+  the static full step's, instead of 6.14; see benchmarks/README.md):
+
+  * the full step is branch 0. Buffer assignment reserves a conditional's
+    output buffers from their first definition in its flattened schedule,
+    where the branches follow in index order; a cheap branch 0 would define
+    the outputs early and hold them through the full step's second backward
+    pass.
+  * the result passes an optimization barrier, so XLA does not move the ops
+    that read it (parameter-sized broadcasts of scalars) into the branches,
+    which turns them into more parameter-sized outputs.
+  """
   if perturb is not None:
     return full() if perturb else cheap()
   if isinstance(due, bool):
     return full() if due else cheap()
-  return jax.lax.cond(due, full, cheap)
+  return jax.lax.optimization_barrier(jax.lax.cond(jnp.logical_not(due), cheap, full))
 
 
 def ascend(
