@@ -87,6 +87,13 @@ def _policy(policy, rho=lambda hp: hp.rho, requires: str = "") -> Contender:
 CONTENDERS: dict[str, Contender] = {
   **harness.CONTENDERS,
   **{f"every-{k}": _policy(lambda hp, k=k: optax_gsam.every_k_policy(k)) for k in (2, 5, 10)},
+  # LookSAM's own rescaling, to a fixed share of the gradient (globally, per leaf), with the guard.
+  **{
+    f"every-5-{scale}": _policy(
+      lambda hp, scale=scale: optax_gsam.every_k_policy(5, reuse_scale=scale)
+    )
+    for scale in ("global", "per_leaf")
+  },
   "adaptive": _policy(
     lambda hp: optax_gsam.gradient_norm_policy(optax.linear_schedule(-1.0, 1.0, hp.num_steps))
   ),
