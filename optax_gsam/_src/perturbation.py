@@ -353,9 +353,10 @@ def _reused_part(
 ) -> tuple[optax.Updates, jax.Array]:
   """What :func:`reuse_direction` adds to ``clean_grads``, and its amplification."""
   clean_norm, stored_norm = stable_global_norm(clean_grads), stable_global_norm(stored_direction)
-  if scale == "relative":
-    added = jax.tree.map(lambda u: weight * clean_norm * upcast(u), stored_direction)
-    return added, jnp.asarray(weight, clean_norm.dtype)
+  if scale == "relative":  # never more than LookSAM's share: u / max(|u|, 1)
+    factor = weight * clean_norm / jnp.maximum(stored_norm, 1.0)
+    added = jax.tree.map(lambda u: factor * upcast(u), stored_direction)
+    return added, weight / jnp.maximum(stored_norm, 1.0)
   amplification = weight * _safe_inverse(stored_norm)
   if scale == "global":
     factor = weight * clean_norm / (stored_norm + eps)
