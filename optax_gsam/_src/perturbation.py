@@ -378,32 +378,32 @@ def reuse_direction(
 
   The stored direction is :math:`u = v / \|g_c^{(s)}\|`, where :math:`v` is the
   component, orthogonal to its clean gradient :math:`g_c^{(s)}`, of the last
-  fully computed (G)SAM gradient; :math:`\|u\|` is how large that component was
-  relative to the clean gradient. With the reuse weight :math:`\lambda`:
+  fully computed (G)SAM gradient (:func:`reuse_component`); :math:`\|u\|` is
+  how large that component was relative to the clean gradient. With the reuse
+  weight :math:`\lambda`:
 
   .. math::
 
     g = \begin{cases}
-      g_c + \lambda \|g_c\|\, u
-        & \text{scale="relative": } u \text{ at the size the full step gave it} \\
+      g_c + \lambda \|g_c\|\, u / \max(\|u\|, 1)
+        & \text{scale="relative"} \\
       g_c + \lambda \|g_c\|\, u / (\|u\| + \varepsilon)
         & \text{scale="global" (LookSAM)} \\
       g_{c,i} + \lambda \|g_{c,i}\|\, u_i / (\|u_i\| + \varepsilon) \ \text{per leaf } i
         & \text{scale="per\_leaf" (LookSAM's layer-wise form)}
     \end{cases}
 
-  The two LookSAM forms enlarge the stored component :math:`a = \lambda / \|u\|`
-  times over the size the full step gave it (the relative form: :math:`a =
-  \lambda`). Where the full step's orthogonal part was small, :math:`a` is large:
-  a direction that was mostly minibatch noise is pushed at a fixed share of the
-  gradient on every cheap step, and with Adam at a large learning rate that
-  drove a CNN to chance (``benchmarks/README.md``). Where :math:`a >`
-  ``max_amplification``, the step outputs :math:`g_c` instead.
+  The relative form keeps the share of the gradient the full step gave the
+  component (times :math:`\lambda`, and at most LookSAM's share
+  :math:`\lambda`). LookSAM's forms enlarge it :math:`a = \lambda / \|u\|` times
+  (the relative form: :math:`a = \lambda / \max(\|u\|, 1)`). Where :math:`a >`
+  ``max_amplification`` the output is :math:`g_c`: a stored component much
+  smaller than the share it would be pushed at is mostly minibatch noise.
 
   Args:
     clean_grads: :math:`g_c`.
-    stored_direction: :math:`u` (for the LookSAM forms only its direction
-      matters, so the unnormalized :math:`v` gives the same result).
+    stored_direction: :math:`u` (without the guard, LookSAM's forms read only
+      its direction, so the unnormalized :math:`v` gives the same result).
     weight: :math:`\lambda \ge 0`.
     scale: ``"relative"``, ``"global"`` or ``"per_leaf"``.
     max_amplification: the largest :math:`a` that reuses; ``None``: no limit.
