@@ -292,7 +292,7 @@ def _train_accuracy(policy, seeds, *, lr=0.1, rho=0.05, steps=300, batch=32):
     keys = jax.random.split(jax.random.key(seed), len(sizes))
     params = [
       {"w": jax.random.normal(key, (a, b)) * jnp.sqrt(2.0 / a), "b": jnp.zeros(b)}
-      for key, a, b in zip(keys, sizes[:-1], sizes[1:])
+      for key, a, b in zip(keys[:-1], sizes[:-1], sizes[1:], strict=True)
     ]
 
     def step(carry, idx):
@@ -339,7 +339,8 @@ def test_reuse_direction_matches_its_formula_in_float64(scale):
     nb = 3
     for u_size in (0.4, 3.0, 0.05):  # relative: below and above the cap; 0.05: guarded
       u = {"b": rng.normal(size=3), "w": rng.normal(size=(3, 2))}
-      u = jax.tree.map(lambda x, n=np.linalg.norm(flatten(u)): x * u_size / n, u)
+      factor = u_size / np.linalg.norm(flatten(u))
+      u = {name: factor * value for name, value in u.items()}
       got = optax_gsam.reuse_direction(
         jax.tree.map(jnp.asarray, g_c), jax.tree.map(jnp.asarray, u), 0.7, scale=scale
       )
