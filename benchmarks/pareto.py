@@ -264,7 +264,7 @@ def summarize(task, noise, contenders, metrics, costs, num_steps, hparams) -> li
 def check_targets(
   rows: list[dict], contenders: dict[str, Contender], overhead: list[dict]
 ) -> list[dict]:
-  """Targets (a), (b) and (c) (benchmarks/README.md)."""
+  """Targets (a) to (d) (benchmarks/README.md)."""
   checks = []
   for dataset, noise in dict.fromkeys((r["dataset"], r["noise"]) for r in rows):
     here = {r["contender"]: r for r in rows if (r["dataset"], r["noise"]) == (dataset, noise)}
@@ -278,6 +278,15 @@ def check_targets(
       ]
       target = f"(a) {where}: a cheap policy with acc >= SAM mean - std ({100 * bar:.2f}%) at step cost <= {COST_LIMIT}"
       checks.append(harness.check(target, ", ".join(winners) or "none", bool(winners)))
+    if "base" in here:  # (d): no cheap policy may end below base - 2 std (issue 27)
+      floor = here["base"]["acc_mean"] - 2 * here["base"]["acc_std"]
+      low = [
+        f"{name} {100 * r['acc_mean']:.2f}%"
+        for name, r in here.items()
+        if contenders[name].cheap_policy and r["acc_mean"] < floor
+      ]
+      target = f"(d) {where}: every cheap policy's acc >= base mean - 2 std ({100 * floor:.2f}%)"
+      checks.append(harness.check(target, ", ".join(low) or "all", not low))
     if "late-phase" in here:
       value = here["late-phase"]["step_cost"]
       checks.append(
