@@ -379,7 +379,7 @@ def reuse_direction(
 
   The stored direction is :math:`u = v / \|g_c^{(s)}\|`, where :math:`v` is the
   component, orthogonal to its clean gradient :math:`g_c^{(s)}`, of the last
-  fully computed (G)SAM gradient (:func:`reuse_component`); :math:`\|u\|` is
+  fully computed (G)SAM gradient; :math:`\|u\|` is
   how large that component was relative to the clean gradient. With the reuse
   weight :math:`\lambda`:
 
