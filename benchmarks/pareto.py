@@ -94,6 +94,13 @@ CONTENDERS: dict[str, Contender] = {
     )
     for scale in ("global", "per_leaf")
   },
+  # Every 10 without reuse, and with reuse only on the two steps after each full step.
+  "every-10-clean": _policy(lambda hp: optax_gsam.every_k_policy(10, cheap="clean")),
+  "every-10-reuse-2": _policy(
+    lambda hp: optax_gsam.every_k_policy(
+      10, reuse_weight=lambda count: jnp.where(count % 10 <= 2, 0.7, 0.0)
+    )
+  ),
   "adaptive": _policy(
     lambda hp: optax_gsam.gradient_norm_policy(optax.linear_schedule(-1.0, 1.0, hp.num_steps))
   ),
