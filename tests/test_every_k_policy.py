@@ -315,11 +315,11 @@ def test_reuse_no_longer_collapses_adam_at_a_large_learning_rate():
 
   The global form pushes the stored direction, a stale and mostly-noise one, at 70% of the
   gradient on every cheap step. With Adam at a large learning rate, a narrow ReLU net then
-  ends at 49% clean accuracy over 4 seeds (SAM itself: 80%); the default reuse reaches 82%.
+  ends at 50% clean accuracy over 3 seeds (SAM itself: 74%); the default reuse reaches 81%.
   """
   old = optax_gsam.every_k_policy(5, reuse_scale="global", max_amplification=None)
-  assert _train_accuracy(old, 4).mean() < 0.6
-  assert _train_accuracy(optax_gsam.every_k_policy(5), 4).mean() > 0.75
+  assert _train_accuracy(old, 3).mean() < 0.6
+  assert _train_accuracy(optax_gsam.every_k_policy(5), 3).mean() > 0.75
 
 
 def test_reuse_options_are_checked_at_construction():
