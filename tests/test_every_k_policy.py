@@ -53,13 +53,15 @@ def reference_run(params, grad_np, *, rho, weights, lr, steps, **case):
         g = g_c + case["alpha"] * (g_p - g_p @ g_c / (g_c @ g_c) * g_c)
       u = (g - g @ g_c / (g_c @ g_c) * g_c) / np.linalg.norm(g_c)
     else:
-      g, fell = reused(g_c, u, weights[t], case["scale"], case["max_amp"], nb)
+      fresh = case["reuse_steps"] is None or t % case["k"] <= case["reuse_steps"]
+      g, fell = reused(g_c, u, weights[t] if fresh else 0.0, case["scale"], case["max_amp"], nb)
       fell_back += fell
     w = w - lr * g
   return w, fell_back
 
 
 DEFAULT_AMP = 1.0
+DEFAULT_STEPS = 2
 GUARD = 2.1
 CASES = [
   dict(alpha=0.0, k=3, scheduled=False, minimize_fp=True, scale="relative", max_amp=DEFAULT_AMP),
@@ -71,13 +73,23 @@ CASES = [
   dict(alpha=0.3, k=3, scheduled=False, minimize_fp=True, scale="global", max_amp=GUARD),
   dict(alpha=0.0, k=2, scheduled=False, minimize_fp=True, scale="per_leaf", max_amp=GUARD),
 ]
+# reuse_steps: the default 2 (the shorthand), except where a case says otherwise.
+CASES = [dict(case, reuse_steps=DEFAULT_STEPS) for case in CASES]
+CASES[2]["reuse_steps"] = None  # LookSAM as published: every cheap step of the 4 reuses
+CASES.append(dict(CASES[3], k=4, reuse_steps=1))  # lags 2 and 3 are clean steps
+CASES.append(dict(CASES[0], k=5))  # the default: lags 3 and 4 are clean steps
 
 
 def _every_k_tx(case, rho, weight, lr):
   policy = optax_gsam.every_k_policy(
-    case["k"], reuse_weight=weight, reuse_scale=case["scale"], max_amplification=case["max_amp"]
+    case["k"],
+    reuse_weight=weight,
+    reuse_scale=case["scale"],
+    max_amplification=case["max_amp"],
+    reuse_steps=case["reuse_steps"],
   )
-  if case["scale"] == "relative" and case["max_amp"] == DEFAULT_AMP:  # the shorthand's defaults
+  defaults = (case["scale"], case["max_amp"], case["reuse_steps"])
+  if defaults == ("relative", DEFAULT_AMP, DEFAULT_STEPS):  # the shorthand's defaults
     gsam = optax_gsam.gsam(
       rho,
       case["alpha"],
