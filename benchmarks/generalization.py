@@ -58,6 +58,17 @@ CONTENDERS: dict[str, Contender] = {
   "gsam k=5": Contender(
     before_base(lambda hp: optax_gsam.gsam(hp.rho, hp.alpha, perturb_every=5)), "gsam"
   ),
+  # Ascent directions (issue 27), each at the paper's default and its own tuned rho.
+  "friendly-sam": Contender(
+    before_base(lambda hp: optax_gsam.sam(hp.rho, ascent=optax_gsam.friendly_ascent())),
+    "friendly-sam",
+  ),
+  "vasso": Contender(
+    before_base(lambda hp: optax_gsam.sam(hp.rho, ascent=optax_gsam.vasso_ascent())), "vasso"
+  ),
+  "sam 2-step": Contender(
+    before_base(lambda hp: optax_gsam.sam(hp.rho, ascent_steps=2)), "sam 2-step"
+  ),
 }
 # The validation sweep (--tune): the base lr, then each key's rho and alpha grids at that lr.
 TUNE_NOISE, TUNE_EPOCHS, TUNE_SEEDS = 0.2, 40, 4
@@ -68,6 +79,9 @@ GRIDS = {
   "sam": (RHO_GRID, (0.0,)),
   "gsam": (RHO_GRID, ALPHA_GRID),
   "gsam-lr": (RHO_GRID, ALPHA_GRID),
+  "friendly-sam": (RHO_GRID, (0.0,)),
+  "vasso": (RHO_GRID, (0.0,)),
+  "sam 2-step": (RHO_GRID, (0.0,)),
 }
 # Chosen with --tune (generalization_tune.json).
 DEFAULTS: dict[str, dict[str, float]] = {

@@ -36,10 +36,11 @@ def reference_run(params, grad_np, *, rho_at, alpha, due_at, cheap, weight, step
     rho = rho_at(t)
     if due_at(t, g_c) and rho > 0:
       g = gsam_direction(w, g_c, grad_np, params, rho, alpha)
-      v = g - g @ g_c / (g_c @ g_c) * g_c
+      # The stored direction: the orthogonal part relative to the clean norm (reuse_scale="relative").
+      v = (g - g @ g_c / (g_c @ g_c) * g_c) / np.linalg.norm(g_c)
       full += 1
-    elif cheap == "reuse" and rho > 0 and np.linalg.norm(v) > 0:
-      g = g_c + weight * np.linalg.norm(g_c) * v / np.linalg.norm(v)
+    elif cheap == "reuse" and rho > 0:
+      g = g_c + weight * np.linalg.norm(g_c) * v
     else:
       g = g_c
     w = w - LR * g

@@ -32,6 +32,11 @@ from optax_gsam._src.arrays import upcast
 from optax_gsam.typing import Adaptive
 
 ADAPTIVE_CHOICES = (None, "gsam", "asam")
+REUSE_SCALES = ("relative", "global", "per_leaf")
+# The most a cheap step may enlarge the stored direction over the size its full step gave it
+# (reuse_direction): never push it harder than the full step did. docs/policies.md has the
+# measurements (2 still ended LookSAM's forms 8 to 18 points below the base optimizer).
+DEFAULT_MAX_AMPLIFICATION = 1.0
 
 # Each tree is scaled by the power of two that brings its largest entry into
 # [0.5, 1). The exponent is clipped to +-120 so that the scale itself stays a
@@ -284,32 +289,110 @@ def orthogonal_component(
   )
 
 
+def reuse_component(
+  gradient: optax.Updates, clean_grads: optax.Updates, *, eps: float | jax.Array = 1e-12
+) -> optax.Updates:
+  r"""What a full step stores for reuse: its output's orthogonal part, over the clean norm.
+
+  .. math::
+
+    u = \frac{g^{\perp g_c}}{\|g_c\|}
+
+  (0 where :math:`g_c = 0`), so that :math:`\|u\|` is the size of the full
+  step's orthogonal component relative to its clean gradient.
+  """
+  orthogonal = orthogonal_component(gradient, clean_grads, eps=eps)
+  inverse = _safe_inverse(stable_global_norm(clean_grads))
+  return jax.tree.map(lambda v: (upcast(v) * inverse).astype(v.dtype), orthogonal)
+
+
+def _reused_part(
+  clean_grads: optax.Updates,
+  stored_direction: optax.Updates,
+  weight: jax.Array | float,
+  scale: str,
+  eps: float | jax.Array,
+) -> tuple[optax.Updates, jax.Array]:
+  """What :func:`reuse_direction` adds to ``clean_grads``, and its amplification."""
+  clean_norm, stored_norm = stable_global_norm(clean_grads), stable_global_norm(stored_direction)
+  if scale == "relative":  # never more than LookSAM's share: u / max(|u|, 1)
+    factor = weight * clean_norm / jnp.maximum(stored_norm, 1.0)
+    added = jax.tree.map(lambda u: factor * upcast(u), stored_direction)
+    return added, weight / jnp.maximum(stored_norm, 1.0)
+  amplification = weight * _safe_inverse(stored_norm)
+  if scale == "global":
+    factor = weight * clean_norm / (stored_norm + eps)
+    return jax.tree.map(lambda u: factor * upcast(u), stored_direction), amplification
+  per_leaf = lambda g, u: weight * stable_global_norm(g) * upcast(u) / (stable_global_norm(u) + eps)
+  return jax.tree.map(per_leaf, clean_grads, stored_direction), amplification
+
+
 def reuse_direction(
   clean_grads: optax.Updates,
   stored_direction: optax.Updates,
   weight: jax.Array | float,
   *,
+  scale: str = "relative",
+  max_amplification: float | None = DEFAULT_MAX_AMPLIFICATION,
   eps: float | jax.Array = 1e-12,
 ) -> optax.Updates:
   r"""LookSAM's cheap step: the clean gradient plus the stored direction, rescaled.
 
+  The stored direction is :math:`u = v / \|g_c^{(s)}\|`, where :math:`v` is the
+  component, orthogonal to its clean gradient :math:`g_c^{(s)}`, of the last
+  fully computed (G)SAM gradient; :math:`\|u\|` is
+  how large that component was relative to the clean gradient. With the reuse
+  weight :math:`\lambda`:
+
   .. math::
 
-    g = g_c + \lambda \frac{\|g_c\|}{\|v\| + \varepsilon} v
+    g = \begin{cases}
+      g_c + \lambda \|g_c\|\, u / \max(\|u\|, 1)
+        & \text{scale="relative"} \\
+      g_c + \lambda \|g_c\|\, u / (\|u\| + \varepsilon)
+        & \text{scale="global" (LookSAM)} \\
+      g_{c,i} + \lambda \|g_{c,i}\|\, u_i / (\|u_i\| + \varepsilon) \ \text{per leaf } i
+        & \text{scale="per\_leaf" (LookSAM's layer-wise form)}
+    \end{cases}
 
-  where the stored direction :math:`v` is the component, orthogonal to its
-  clean gradient, of the last fully computed (G)SAM gradient, and
-  :math:`\lambda` is the reuse weight.
+  The relative form keeps the share of the gradient the full step gave the
+  component (times :math:`\lambda`, and at most LookSAM's share
+  :math:`\lambda`). LookSAM's forms enlarge it :math:`a = \lambda / \|u\|` times
+  (the relative form: :math:`a = \lambda / \max(\|u\|, 1)`). Where :math:`a >`
+  ``max_amplification`` the output is :math:`g_c`: a stored component much
+  smaller than the share it would be pushed at is mostly minibatch noise.
+
+  Args:
+    clean_grads: :math:`g_c`.
+    stored_direction: :math:`u` (without the guard, LookSAM's forms read only
+      its direction, so the unnormalized :math:`v` gives the same result).
+    weight: :math:`\lambda \ge 0`.
+    scale: ``"relative"``, ``"global"`` or ``"per_leaf"``.
+    max_amplification: the largest :math:`a` that reuses; ``None``: no limit.
+    eps: :math:`\varepsilon`, guards the divisions.
 
   Returns:
     :math:`g`, with the dtype of each ``clean_grads`` leaf.
 
   Example:
     >>> import jax.numpy as jnp, optax_gsam
-    >>> optax_gsam.reuse_direction(jnp.array([3.0, 0.0]), jnp.array([0.0, 2.0]), 0.5)
+    >>> g_c, u = jnp.array([3.0, 0.0]), jnp.array([0.0, 0.8])
+    >>> optax_gsam.reuse_direction(g_c, u, 0.5)  # 0.5 * 3 * 0.8
+    Array([3. , 1.2], dtype=float32)
+    >>> optax_gsam.reuse_direction(g_c, u, 0.5, scale="global")  # 0.5 * 3; a = 0.625
     Array([3. , 1.5], dtype=float32)
+    >>> optax_gsam.reuse_direction(g_c, u / 4, 0.5, scale="global")  # a = 2.5 > 1
+    Array([3., 0.], dtype=float32)
+
+  References:
+    Liu et al., `Towards Efficient and Scalable Sharpness-Aware Minimization
+    <https://arxiv.org/abs/2203.02714>`_, CVPR 2022.
   """
-  scale = weight * stable_global_norm(clean_grads) / (stable_global_norm(stored_direction) + eps)
+  if scale not in REUSE_SCALES:
+    raise ValueError(f"scale must be one of {REUSE_SCALES}, got {scale!r}.")
+  added, amplification = _reused_part(clean_grads, stored_direction, weight, scale, eps)
+  # A zero stored direction (nothing stored, or a zero clean gradient) reuses nothing either way.
+  reuse = jnp.asarray(True) if max_amplification is None else amplification <= max_amplification
   return jax.tree.map(
-    lambda g, v: (upcast(g) + scale * upcast(v)).astype(g.dtype), clean_grads, stored_direction
+    lambda g, a: jnp.where(reuse, upcast(g) + a, upcast(g)).astype(g.dtype), clean_grads, added
   )

@@ -25,8 +25,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from optax_gsam._src.perturbation import DEFAULT_MAX_AMPLIFICATION
+from optax_gsam._src.perturbation import REUSE_SCALES
 from optax_gsam._src.schedules import value_at
 from optax_gsam._src.validation import check_non_negative
+from optax_gsam._src.validation import check_positive
 from optax_gsam._src.validation import check_positive_int
 from optax_gsam._src.validation import check_unit_interval
 from optax_gsam._src.validation import is_real_number
@@ -34,6 +37,7 @@ from optax_gsam.typing import DecideFn
 
 CHEAP_CHOICES = ("reuse", "clean")
 DEFAULT_REUSE_WEIGHT = 0.7
+DEFAULT_REUSE_STEPS = 2  # every_k_policy: the cheap steps after a full step that reuse
 
 
 class SharpnessPolicy(NamedTuple):
@@ -48,10 +52,15 @@ class SharpnessPolicy(NamedTuple):
       ``True`` for a policy that always takes the full step (no conditional is
       traced then). ``grad_sq_norm`` is :math:`\\|g_c\\|^2`, averaged over the
       data axis, when ``uses_grad_norm``; ``None`` otherwise.
-    cheap: ``"clean"`` (output :math:`g_c`) or ``"reuse"`` (output
-      :math:`g_c + \\lambda_t \\|g_c\\| v / \\|v\\|` with the stored direction
-      :math:`v`).
+    cheap: ``"clean"`` (output :math:`g_c`) or ``"reuse"`` (output :math:`g_c`
+      plus the stored direction, rescaled: :func:`optax_gsam.reuse_direction`).
     reuse_weight: :math:`\\lambda_t` of ``cheap="reuse"``, a float or schedule.
+    reuse_scale: how ``cheap="reuse"`` rescales the stored direction:
+      ``"relative"``, ``"global"`` or ``"per_leaf"`` (see
+      :func:`optax_gsam.reuse_direction`).
+    max_amplification: the most a reuse step may enlarge the stored direction
+      over the size its full step gave it; beyond it the step outputs
+      :math:`g_c` (``None``: no limit).
     uses_grad_norm: whether ``decide`` reads :math:`\\|g_c\\|^2`.
     skip_zero_rho: whether a step with :math:`\\rho_t = 0` takes the cheap
       step (as ``cheap="clean"``: the clean gradient, which is exactly the
@@ -65,6 +74,8 @@ class SharpnessPolicy(NamedTuple):
   reuse_weight: optax.ScalarOrSchedule = DEFAULT_REUSE_WEIGHT
   uses_grad_norm: bool = False
   skip_zero_rho: bool = True
+  reuse_scale: str = "relative"
+  max_amplification: float | None = DEFAULT_MAX_AMPLIFICATION
 
   @property
   def always_full(self) -> bool:
@@ -137,25 +148,77 @@ def every_step_policy(*, skip_zero_rho: bool = False) -> SharpnessPolicy:
   )
 
 
+def _check_reuse_scale(reuse_scale: str, max_amplification) -> None:
+  if reuse_scale not in REUSE_SCALES:
+    raise ValueError(f"reuse_scale must be one of {REUSE_SCALES}, got {reuse_scale!r}.")
+  if max_amplification is not None:
+    check_positive("max_amplification", max_amplification)
+
+
 def every_k_policy(
-  k: int, *, reuse_weight: optax.ScalarOrSchedule = DEFAULT_REUSE_WEIGHT, cheap: str = "reuse"
+  k: int,
+  *,
+  reuse_weight: optax.ScalarOrSchedule = DEFAULT_REUSE_WEIGHT,
+  cheap: str = "reuse",
+  reuse_scale: str = "relative",
+  max_amplification: float | None = DEFAULT_MAX_AMPLIFICATION,
+  reuse_steps: int | None = DEFAULT_REUSE_STEPS,
 ) -> SharpnessPolicy:
   r"""The full step every ``k`` steps (LookSAM).
 
   The full step is taken at steps :math:`t \equiv 0 \pmod k`. With
-  ``cheap="reuse"`` it stores :math:`v = g^{\perp g_c}`, the part of its output
-  orthogonal to the clean gradient, and the steps in between output
+  ``cheap="reuse"`` it stores :math:`u = g^{\perp g_c} / \|g_c\|`: the part of
+  its output :math:`g` orthogonal to its clean gradient, relative to that
+  gradient's norm. The steps in between output, at their own clean gradient
+  :math:`g_c` and reuse weight :math:`\lambda_t`,
 
   .. math::
 
-    g = g_c + \lambda_t \, \|g_c\| \, v / \|v\| .
+    g = \begin{cases}
+      g_c + \lambda_t \|g_c\|\, u / \max(\|u\|, 1)
+        & \text{reuse\_scale="relative" (the default)} \\
+      g_c + \lambda_t \|g_c\|\, u / \|u\|
+        & \text{reuse\_scale="global" (LookSAM)} \\
+      g_{c,i} + \lambda_t \|g_{c,i}\|\, u_i / \|u_i\| \ \text{for each leaf } i
+        & \text{reuse\_scale="per\_leaf" (LookSAM's layer-wise form)}
+    \end{cases}
 
-  ``gsam(..., perturb_every=k, reuse_weight=w)`` is this policy.
+  The relative form reuses the full step's orthogonal component at the share
+  of the gradient the full step gave it, times :math:`\lambda_t`, and at most
+  at LookSAM's share :math:`\lambda_t`. LookSAM's forms always rescale it to
+  that share (of each leaf's gradient, per leaf), which enlarges it
+  :math:`a_t = \lambda_t / \|u\|` times over the size the full step gave it.
+  On the MNIST-1D CNN trained with AdamW at its tuned learning rate,
+  :math:`\|u\|` was 0.2 to 0.4 and fell to 0.005 once training degraded, so
+  minibatch noise was pushed at 70% of the gradient on every cheap step and
+  the runs ended at chance (``benchmarks/README.md``).
+
+  **Detection.** A cheap step whose :math:`a_t` (:math:`\lambda_t / \max(\|u\|,
+  1)` for the relative form) exceeds ``max_amplification`` outputs :math:`g_c`
+  instead: a plain base step, and no error. That step still counts as a cheap
+  step (``full_steps`` does not grow). :math:`\|u\|` of the last full step is
+  in the state: ``optax_gsam.stable_global_norm(optax.tree.get(opt_state,
+  "stored_direction"))``, so :math:`a_t` can be logged.
+
+  **Staleness.** Only the first ``reuse_steps`` cheap steps after a full step
+  reuse :math:`u`; the others output :math:`g_c` (:math:`\lambda_t = 0` at
+  :math:`t \bmod k >` ``reuse_steps``). At batch 100 on MNIST-1D the stored
+  direction's cosine with the current step's own orthogonal part was 0.2 one
+  step later and 0.1 two to four steps later; every 10 reusing all nine cheap
+  steps lost 5 to 18 points to the base optimizer, reusing two lost none.
+
+  ``gsam(..., perturb_every=k, reuse_weight=w)`` is this policy with the
+  default ``reuse_scale``, ``max_amplification`` and ``reuse_steps``.
 
   Args:
     k: the period, an int >= 1.
     reuse_weight: :math:`\lambda_t`, a float >= 0 or a schedule.
     cheap: ``"reuse"`` (LookSAM) or ``"clean"`` (a plain base step in between).
+    reuse_scale: ``"relative"``, ``"global"`` or ``"per_leaf"``.
+    max_amplification: the largest :math:`a_t` that reuses, a float > 0, or
+      ``None`` for no limit (LookSAM's forms exactly as published).
+    reuse_steps: how many cheap steps after each full step reuse, an int >= 1,
+      or ``None`` for all of them (LookSAM as published).
 
   Returns:
     A :class:`SharpnessPolicy`.
@@ -163,6 +226,7 @@ def every_k_policy(
   Example:
     >>> import optax_gsam
     >>> tx = optax_gsam.gsam(0.05, 0.3, policy=optax_gsam.every_k_policy(5))
+    >>> looksam = optax_gsam.every_k_policy(5, reuse_scale="per_leaf", max_amplification=None)
 
   References:
     Liu et al., `Towards Efficient and Scalable Sharpness-Aware Minimization
@@ -170,12 +234,19 @@ def every_k_policy(
   """
   check_positive_int("k", k)
   _check_cheap(cheap, reuse_weight)
+  _check_reuse_scale(reuse_scale, max_amplification)
+  check_positive_int("reuse_steps", reuse_steps, allow_none=True)
+  weight = reuse_weight
+  if reuse_steps is not None and reuse_steps < k - 1:
+    weight = lambda count: jnp.where(count % k <= reuse_steps, value_at(reuse_weight, count), 0.0)
   return SharpnessPolicy(
     name=f"every_{k}",
     init=optax.EmptyState,
     decide=lambda state, count, grad_sq_norm: (count % k == 0, state),
     cheap=cheap,
-    reuse_weight=reuse_weight,
+    reuse_weight=weight,
+    reuse_scale=reuse_scale,
+    max_amplification=max_amplification,
   )
 
 

@@ -81,9 +81,9 @@ class GSAMState(NamedTuple):
     stored_direction: for policies with ``cheap="reuse"`` (e.g.
       ``perturb_every > 1``), the stored direction :math:`v` reused on cheap
       steps (params-shaped): the part of the last full step's output
-      orthogonal to its clean gradient. ``None`` otherwise. A step whose
-      gradients or perturbed loss are not finite, or that fell back to the
-      clean gradient, keeps the previous one.
+      orthogonal to its clean gradient, divided by that gradient's norm.
+      ``None`` otherwise. A step whose gradients or perturbed loss are not
+      finite, or that fell back to the clean gradient, keeps the previous one.
     ascent_state: the state of the ascent direction (``optax.EmptyState()``
       for SAM's and the adaptive ones; the moving averages of
       :func:`optax_gsam.friendly_ascent` and :func:`optax_gsam.vasso_ascent`).

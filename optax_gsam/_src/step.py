@@ -310,7 +310,7 @@ def full_step(
   )
   stored = None
   if settings.policy.stores_direction:
-    stored = pert.orthogonal_component(gradient, clean_grads, eps=settings.eps)
+    stored = pert.reuse_component(gradient, clean_grads, eps=settings.eps)
   return BranchResult(gradient, stored, diagnostics, ascent_state)
 
 
@@ -321,10 +321,18 @@ def cheap_step(
   stored_direction: optax.Updates | None,
 ) -> BranchResult:
   """Stage 4: the clean gradient, or with the stored direction added back."""
-  if settings.policy.cheap == "reuse":
+  policy = settings.policy
+  if policy.cheap == "reuse":
     assert weight is not None and stored_direction is not None  # a reuse policy stores one
     return BranchResult(
-      pert.reuse_direction(clean_grads, stored_direction, weight, eps=settings.eps)
+      pert.reuse_direction(
+        clean_grads,
+        stored_direction,
+        weight,
+        scale=policy.reuse_scale,
+        max_amplification=policy.max_amplification,
+        eps=settings.eps,
+      )
     )
   return BranchResult(clean_grads)
 
