@@ -13,6 +13,7 @@ import optax
 from optax_gsam._src import perturbation as pert
 from optax_gsam._src import step
 from optax_gsam._src.arrays import compute_dtype
+from optax_gsam._src.arrays import numbers_as_arrays
 from optax_gsam._src.schedules import value_at
 from optax_gsam._src.user_functions import check_extra_args
 from optax_gsam._src.user_functions import scalar_loss
@@ -20,6 +21,7 @@ from optax_gsam._src.user_functions import value_and_grad_from
 from optax_gsam._src.validation import check_axis_name
 from optax_gsam._src.validation import check_data_axis_is_set
 from optax_gsam._src.validation import check_non_negative
+from optax_gsam._src.validation import check_params_leaves
 from optax_gsam._src.validation import check_positive
 from optax_gsam._src.validation import check_unit_interval
 from optax_gsam._src.validation import check_update_inputs
@@ -120,6 +122,8 @@ def momentum_sam(
     raise ValueError(f"check_axis must be a bool, got {check_axis!r}.")
 
   def init_fn(params: optax.Params) -> MomentumSAMState:
+    params = numbers_as_arrays(params)
+    check_params_leaves(params)
     return MomentumSAMState(  # One buffer per field, so that the state can be donated.
       count=jnp.zeros([], jnp.int32),
       rho=jnp.zeros([], jnp.float32),
@@ -139,6 +143,7 @@ def momentum_sam(
     **extra_args: Any,
   ) -> tuple[optax.Updates, MomentumSAMState]:
     check_extra_args(extra_args, known=("loss_fn", "value_and_grad_fn"))
+    params = numbers_as_arrays(params)
     check_update_inputs(updates, params, state.momentum)
     if check_axis:
       check_data_axis_is_set(axis_name)

@@ -19,7 +19,9 @@ import optax
 
 from optax_gsam._src import perturbation as pert
 from optax_gsam._src import step
+from optax_gsam._src.arrays import numbers_as_arrays
 from optax_gsam._src.policies import SharpnessPolicy
+from optax_gsam._src.policies import keep_unless_counted
 from optax_gsam._src.policies import policy_from_arguments
 from optax_gsam._src.user_functions import check_extra_args
 from optax_gsam._src.user_functions import group_value_and_grad
@@ -112,7 +114,7 @@ def _next_state(
       state.full_steps, outcome.full & counts & perturbed_loss_ok & ~outcome.fell_back
     ),
     fallback_count=increment(state.fallback_count, outcome.fell_back),
-    policy_state=policy_state,
+    policy_state=keep_unless_counted(counts, policy_state, state.policy_state),
     stored_direction=step.keep_finite_direction(outcome, state.stored_direction),
   )
 
@@ -304,7 +306,9 @@ def gsam(
   step is NaN, infinite or negative makes that step output the clean gradient,
   whatever ``on_nonfinite`` says; the step counts (so the schedule moves on),
   ``GSAMState.fallback_count`` counts it and ``GSAMState.rho`` shows the
-  value. A float rho is checked when the transform is built.
+  value. An injected alpha that is traced (``inject_hyperparams`` under
+  ``jit``) is treated alike. A float rho or alpha, or a concrete array, is
+  checked when the transform is built.
 
   Under ``optax.inject_hyperparams(optax_gsam.gsam)``, rho, alpha, eps and
   reuse_weight become injectable; static options (``perturb_every``,
@@ -402,8 +406,9 @@ def gsam(
     perturb: bool | None = None,
     **extra_args: Any,
   ) -> tuple[optax.Updates, GSAMState]:
+    params = numbers_as_arrays(params)
     _check_update(updates, state, params, perturb, extra_args, policy, check_axis, axis_name)
-    hyper = step.hyperparams_at(rho, policy, state.count)
+    hyper = step.hyperparams_at(rho, policy, state.count, alpha)
     context = step.StepContext(
       settings, hyper, state.policy_state, state.count, state.stored_direction, state.diagnostics
     )
