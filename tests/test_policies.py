@@ -1,6 +1,7 @@
 """Cheap-step policies against references written from their formulas (numpy, float64)."""
 
 import functools
+import inspect
 
 import jax
 import jax.numpy as jnp
@@ -464,3 +465,28 @@ def test_gradient_norm_statistics_survive_a_spike_and_full_steps_resume(threshol
     decisions.append(int(state.full_steps) > before)
   assert all_finite(state.policy_state)
   assert decisions == expected
+
+
+def test_arguments_annotated_as_schedules_take_schedules():
+  # optax's common tests pass a schedule to an argument annotated optax.ScalarOrSchedule.
+  for factory in (optax_gsam.gsam, optax_gsam.sam):
+    parameters = inspect.signature(factory, eval_str=True).parameters.items()
+    names = [n for n, p in parameters if p.annotation == optax.ScalarOrSchedule]
+    assert names == ["rho", "reuse_weight"], factory.__name__
+  factory = optax_gsam.gsam  # sam is gsam with alpha=0
+  p, loss_fn = float32_problem(seed=5)
+  values = {"rho": 0.05, "reuse_weight": 0.4}
+
+  def run(**arguments):
+    tx = optax.chain(factory(**arguments, perturb_every=2), optax.sgd(LR))
+    step = jax.jit(lambda q, s: tx.update(jax.grad(loss_fn)(q), s, q, loss_fn=loss_fn))
+    q, state = p, tx.init(p)
+    for _ in range(4):
+      updates, state = step(q, state)
+      q = optax.apply_updates(q, updates)
+    return q
+
+  with_floats = run(**values)
+  for name in names:
+    scheduled = dict(values, **{name: optax.constant_schedule(values[name])})
+    jax.tree.map(np.testing.assert_array_equal, run(**scheduled), with_floats)

@@ -20,6 +20,7 @@ import optax
 from optax_gsam._src import perturbation as pert
 from optax_gsam._src import step
 from optax_gsam._src.arrays import numbers_as_arrays
+from optax_gsam._src.policies import REUSE_WEIGHT_NOT_GIVEN
 from optax_gsam._src.policies import SharpnessPolicy
 from optax_gsam._src.policies import keep_unless_counted
 from optax_gsam._src.policies import policy_from_arguments
@@ -209,7 +210,7 @@ def gsam(
   axis_name: AxisName = None,
   num_groups: int | None = None,
   perturb_every: int | None = None,
-  reuse_weight: optax.ScalarOrSchedule | None = None,
+  reuse_weight: optax.ScalarOrSchedule = REUSE_WEIGHT_NOT_GIVEN,
   policy: SharpnessPolicy | None = None,
   on_nonfinite: str = "propagate",
   check_axis: bool = True,
@@ -334,7 +335,7 @@ def gsam(
     perturb_every: shorthand for ``policy=every_k_policy(perturb_every,
       reuse_weight=reuse_weight)`` (``None`` or 1: every step). A static int.
     reuse_weight: :math:`\lambda` of ``perturb_every``, a float >= 0 or a
-      schedule; ``None`` (not given) is 0.7.
+      schedule (0.7 when not given).
     policy: when to take the full step (see above); ``None`` is
       :func:`optax_gsam.every_step_policy`. Not together with
       ``perturb_every``/``reuse_weight``.
@@ -435,7 +436,7 @@ def sam(
   axis_name: AxisName = None,
   num_groups: int | None = None,
   perturb_every: int | None = None,
-  reuse_weight: optax.ScalarOrSchedule | None = None,
+  reuse_weight: optax.ScalarOrSchedule = REUSE_WEIGHT_NOT_GIVEN,
   policy: SharpnessPolicy | None = None,
   on_nonfinite: str = "propagate",
   check_axis: bool = True,
