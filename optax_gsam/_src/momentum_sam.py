@@ -49,6 +49,19 @@ class MomentumSAMState(NamedTuple):
   fallback_count: jax.Array
 
 
+def _initial_state(params: optax.Params) -> MomentumSAMState:
+  params = numbers_as_arrays(params)
+  check_params_leaves(params)
+  return MomentumSAMState(  # One buffer per field, so that the state can be donated.
+    count=jnp.zeros([], jnp.int32),
+    rho=jnp.zeros([], jnp.float32),
+    perturbed_loss=jnp.zeros([], jnp.float32),
+    # Accumulated in float32 at least: bfloat16 would lose the sum's small terms.
+    momentum=jax.tree.map(lambda p: jnp.zeros(p.shape, compute_dtype(p.dtype)), params),
+    fallback_count=jnp.zeros([], jnp.int32),
+  )
+
+
 def momentum_sam(
   rho: optax.ScalarOrSchedule,
   momentum: float = 0.9,
@@ -121,18 +134,6 @@ def momentum_sam(
   if not isinstance(check_axis, bool):
     raise ValueError(f"check_axis must be a bool, got {check_axis!r}.")
 
-  def init_fn(params: optax.Params) -> MomentumSAMState:
-    params = numbers_as_arrays(params)
-    check_params_leaves(params)
-    return MomentumSAMState(  # One buffer per field, so that the state can be donated.
-      count=jnp.zeros([], jnp.int32),
-      rho=jnp.zeros([], jnp.float32),
-      perturbed_loss=jnp.zeros([], jnp.float32),
-      # Accumulated in float32 at least: bfloat16 would lose the sum's small terms.
-      momentum=jax.tree.map(lambda p: jnp.zeros(p.shape, compute_dtype(p.dtype)), params),
-      fallback_count=jnp.zeros([], jnp.int32),
-    )
-
   def update_fn(
     updates: optax.Updates,
     state: MomentumSAMState,
@@ -172,4 +173,4 @@ def momentum_sam(
     )
     return grads, new_state
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  return optax.GradientTransformationExtraArgs(_initial_state, update_fn)
