@@ -6,6 +6,12 @@ The whole public API is listed in ``__all__`` below; everything under
 
 import types as _types
 
+from optax_gsam._src.ascent import FriendlyAscentState
+from optax_gsam._src.ascent import VassoState
+from optax_gsam._src.ascent import adaptive_ascent
+from optax_gsam._src.ascent import friendly_ascent
+from optax_gsam._src.ascent import normalized_ascent
+from optax_gsam._src.ascent import vasso_ascent
 from optax_gsam._src.contrastive import clip_loss
 from optax_gsam._src.contrastive import siglip_loss
 from optax_gsam._src.distributed import data_parallel
@@ -37,12 +43,15 @@ from optax_gsam._src.sharpness import sam
 __version__ = "0.1.0"
 
 __all__ = (
+  "FriendlyAscentState",
   "GSAMState",
   "GradientNormState",
   "GradientStats",
   "MomentumSAMState",
   "RandomPolicyState",
   "SharpnessPolicy",
+  "VassoState",
+  "adaptive_ascent",
   "cached_value_and_grad",
   "clip_loss",
   "data_parallel",
@@ -50,11 +59,13 @@ __all__ = (
   "emulate_devices",
   "every_k_policy",
   "every_step_policy",
+  "friendly_ascent",
   "full_step_due",
   "gradient_norm_policy",
   "gradient_stats",
   "gsam",
   "momentum_sam",
+  "normalized_ascent",
   "orthogonal_component",
   "perturbation",
   "random_policy",
@@ -64,6 +75,7 @@ __all__ = (
   "schedule_extrema",
   "siglip_loss",
   "stable_global_norm",
+  "vasso_ascent",
 )
 
 

@@ -139,7 +139,10 @@ class TrainState(train_state.TrainState):
 
     Args:
       grads: gradients with the structure of ``params`` (the clean gradient
-        when ``tx`` starts with :func:`optax_gsam.gsam`).
+        when ``tx`` starts with :func:`optax_gsam.gsam`), or ``None`` when
+        ``tx`` starts with a micro-batched :func:`optax_gsam.gsam`
+        (``microbatches=k``), which accumulates the clean gradient itself
+        over the micro-batches of ``batch=``.
       **kwargs: names of fields of the state are ``replace``-d in the result;
         the ``forwarded_keywords`` (``loss_fn``, ``value_and_grad_fn``,
         ``value``, ...) are passed to ``tx.update``.
@@ -159,6 +162,8 @@ class TrainState(train_state.TrainState):
     self._check_keywords(kwargs, field_names)
     fields = {name: value for name, value in kwargs.items() if name in field_names}
     extra_args = {name: value for name, value in kwargs.items() if name not in field_names}
+    if grads is None:  # micro-batches: the transform takes the clean gradient itself
+      return self._apply_without_clean_gradient(fields, extra_args)
     try:
       if not extra_args:
         return super().apply_gradients(grads=grads, **fields)
@@ -173,6 +178,12 @@ class TrainState(train_state.TrainState):
       # The hint of the core error sends users of Flax's TrainState here; they are here.
       raise MissingLossFunctionError(_MISSING_LOSS_IN_APPLY_GRADIENTS) from error
     return new_state.replace(tx=self.tx)
+
+  def _apply_without_clean_gradient(self, fields: dict[str, Any], extra_args: dict[str, Any]):
+    """``grads=None``: ``tx`` (gsam/sam with ``microbatches``) accumulates the clean gradient."""
+    updates, opt_state = self.tx.update(None, self.opt_state, self.params, **extra_args)
+    params = optax.apply_updates(self.params, updates)
+    return self.replace(step=self.step + 1, params=params, opt_state=opt_state, **fields)
 
   def _check_keywords(self, kwargs: dict[str, Any], field_names: set[str]) -> None:
     """Every keyword is a field or a forwarded keyword; else a TypeError naming the closest."""

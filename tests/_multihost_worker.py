@@ -187,13 +187,44 @@ def clip_run(mesh, data) -> dict[str, np.ndarray]:
   return out | {f"clip/params/{k}": np.asarray(v) for k, v in state[0].items()}
 
 
+def microbatch_runs(mesh, data) -> dict[str, np.ndarray]:
+  """Two SGD steps of per-device GSAM with 2 micro-batches a device, both semantics."""
+  import jax
+  import optax
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  import optax_gsam
+
+  batch = shard_batch(mesh, (data["x"], data["y"]))
+  out = {}
+  for name, each in (("whole", False), ("each", True)):
+    tx = optax.chain(
+      optax_gsam.gsam(RHO, ALPHA, axis_name="data", microbatches=2, perturb_each_microbatch=each),
+      optax.sgd(LR),
+    )
+
+    def step(params, opt_state, batch, tx=tx):
+      loss = lambda p, microbatch: mlp_loss(p, *microbatch)
+      updates, opt_state = tx.update(None, opt_state, params, loss_fn=loss, batch=batch)
+      return optax.apply_updates(params, updates), opt_state
+
+    step = optax_gsam.data_parallel(step, mesh)
+    params = {"w1": data["w1"], "w2": data["w2"]}
+    state = jax.device_put((params, tx.init(params)), NamedSharding(mesh, P()))
+    for _ in range(2):
+      state = step(*state, batch)
+    out |= {f"microbatch/{name}/params/{k}": np.asarray(v) for k, v in state[0].items()}
+  return out
+
+
 def run_checks(ckpt_dir: pathlib.Path | None = None) -> dict[str, np.ndarray]:
   """Every check on a mesh over all of ``jax.devices()``; host arrays, the same on every process."""
   import jax
 
   mesh = jax.make_mesh((jax.device_count(),), ("data",))
   data = problem()
-  return gsam_runs(mesh, data, ckpt_dir) | clip_run(mesh, data)
+  return gsam_runs(mesh, data, ckpt_dir) | clip_run(mesh, data) | microbatch_runs(mesh, data)
 
 
 def crash(how: str) -> None:

@@ -12,6 +12,7 @@ import accelerator
 import flax.linen as nn
 import generalization
 import jax
+import microbatches
 import numpy as np
 import optax
 import pareto
@@ -182,3 +183,13 @@ def test_interleaved_pairs_every_sample_with_a_base_run():
   out = harness.interleaved(timed, "base", rounds=3, steps=1)
   assert sorted(calls) == sorted(["base", "a", "b"] * 3)
   assert all(len(t["seconds"]) == 3 for t in out.values())
+
+
+def test_microbatches_smoke(tmp_path):
+  result = microbatches.main(
+    ["--quick", "--batch", "64", "--rounds", "1", "--out-dir", str(tmp_path)]
+  )
+  rows = result["rows"]
+  assert set(rows) == {"base", "whole", "k=2", "k=4", "k=2 each", "k=4 each"}
+  assert all(row["ms"] > 0 and row["temp_MiB"] > 0 for row in rows.values())
+  assert (tmp_path / "microbatches_quick.json").is_file()

@@ -348,7 +348,7 @@ def test_transform_and_legacy_function_agree_step_for_step(adaptive_perturbation
 
       for name in ("w", "b"):
         np.testing.assert_allclose(p_ours[name], p_legacy[name], rtol=1e-10, atol=1e-13)
-      rho_k = float(optax.tree.get(s_ours, "rho"))
+      rho_k = float(optax.tree.get(s_ours, "last_rho"))
       expected = reference_legacy_rho(float(lr(jnp.int32(k))), 0.3, 0.05, 0.05, 0.005)
       assert rho_k == pytest.approx(float(expected), rel=1e-6)
     # The trainer's one-step-ahead rho is a different trajectory.
@@ -546,7 +546,7 @@ def test_gsam_from_config_matches_hand_built_transform():
     u_a, s_a = by_hand.update(grads, s_a, p, loss_fn=loss_fn)
     u_b, s_b = ours.update(grads, s_b, p, loss_fn=loss_fn)
     jax.tree.map(np.testing.assert_array_equal, u_a, u_b)
-  assert float(s_b.rho) > 0.1
+  assert float(s_b.last_rho) > 0.1
 
 
 # --- The package import ------------------------------------------------------------------------

@@ -244,7 +244,7 @@ def test_helper_argument_errors():
   with pytest.raises(ValueError, match="not divisible"):
     optax_gsam.emulate_devices(lambda p, s, b: (p, s), 3)(0.0, 0.0, jnp.ones((4, 2)))
   with pytest.raises(ValueError, match="num_groups"):
-    optax_gsam.gsam(0.1, num_groups=2, axis_name="data")
+    optax_gsam.gsam(0.1, num_groups=2, axis_name="data", sync_perturbation=True)
   with pytest.raises(ValueError, match="num_groups"):
     optax_gsam.gsam(0.1, num_groups=0)
 

@@ -35,7 +35,13 @@ def test_bfloat16_and_mixed_trees_keep_dtypes_on_cheap_and_grouped_steps():
       updates, state = update(state)
       assert jax.tree.map(lambda x: x.dtype, updates) == dtypes
       assert jax.tree.map(lambda x: x.dtype, state.stored_direction) == dtypes
-      for name in ("rho", "perturbed_loss", "cosine", "clean_grad_norm", "perturbed_grad_norm"):
+      for name in (
+        "last_rho",
+        "perturbed_loss",
+        "cosine",
+        "clean_grad_norm",
+        "perturbed_grad_norm",
+      ):
         assert getattr(state, name).dtype == jnp.float32, name
     grouped = optax_gsam.gsam(0.1, 0.3, num_groups=2)
     group_loss = functools.partial(scaled_by_group, f32_loss)

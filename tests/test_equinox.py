@@ -141,7 +141,7 @@ def test_tiny_rho_step_is_the_plain_step_and_catches_the_two_mistakes():
 def test_gsam_step_trains_and_the_state_comes_from_the_clean_pass():
   _, _, opt_state, losses = run(GSAM_SGD, steps=6, fixed_key=True)
   assert losses[-1] < losses[0]
-  assert float(optax.tree.get(opt_state, "rho")) == pytest.approx(0.2)
+  assert float(optax.tree.get(opt_state, "last_rho")) == pytest.approx(0.2)
   # One step by hand: the state returned is the clean pass's, not the perturbed pass's.
   model, state0 = eqx.nn.make_with_state(Net)(jax.random.key(1))
   x, y = data()

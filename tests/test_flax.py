@@ -166,7 +166,7 @@ def test_linen_batch_stats_come_from_the_clean_pass():
   chex.assert_trees_all_close(new_state.batch_stats, clean_stats, rtol=1e-6, atol=1e-7)
   assert max_tree_diff(clean_stats, perturbed_stats) > 1e-3  # the test can tell them apart
   assert int(new_state.step) == 1
-  assert float(optax.tree.get(new_state.opt_state, "rho")) == pytest.approx(rho)
+  assert float(optax.tree.get(new_state.opt_state, "last_rho")) == pytest.approx(rho)
 
 
 class CustomKeywordState(BatchNormState):

@@ -79,12 +79,49 @@ def test_two_processes_match_one_process(tmp_path):
   for name in params:
     np.testing.assert_allclose(two[f"clip/grads/{name}"], grads[name], rtol=1e-4, atol=1e-6)
 
+  # Micro-batched GSAM (2 a device, both semantics) across processes, against float64 numpy.
+  for mode, replicas in (("whole", 8), ("each", 16)):
+    expected = microbatch_reference(data, replicas)
+    for name in ("w1", "w2"):
+      key = f"microbatch/{mode}/params/{name}"
+      assert_close(two, one, key)
+      np.testing.assert_allclose(two[key], expected[name], rtol=2e-4, atol=1e-6, err_msg=key)
+
   # The orbax checkpoint written by both processes at step 2, restored, resumes bit for bit.
   assert int(two["resumed/count"]) == worker.SAVE_AT
   assert (tmp_path / "checkpoints" / f"step_{worker.SAVE_AT}").is_dir()
   for name in ("w1", "w2"):
     np.testing.assert_array_equal(two[f"resumed/params/{name}"], two[f"per_device/params/{name}"])
   print(f"2 x 4 launch: {seconds:.1f} s")
+
+
+def mlp_grad(w1, w2, x, y):
+  """The gradient of worker.mlp_loss, by hand (float64)."""
+  h = np.tanh(x @ w1)
+  d_out = 2.0 * (h @ w2 - y) / y.size
+  d_h = d_out @ w2.T * (1.0 - h**2)
+  return x.T @ d_h, h.T @ d_out
+
+
+def microbatch_reference(data, replicas, steps=2):
+  """Per-replica GSAM (each replica perturbed along its own gradient), averaged; SGD."""
+  w1, w2 = (data[k].astype(np.float64) for k in ("w1", "w2"))
+  x, y = data["x"].astype(np.float64), data["y"].astype(np.float64)
+  size = len(x) // replicas
+  flat = lambda a, b: np.concatenate([a.ravel(), b.ravel()])
+  for _ in range(steps):
+    outputs = []
+    for i in range(replicas):
+      xs, ys = x[i * size : (i + 1) * size], y[i * size : (i + 1) * size]
+      g_c = flat(*mlp_grad(w1, w2, xs, ys))
+      e = worker.RHO * g_c / np.linalg.norm(g_c)
+      e1, e2 = e[: w1.size].reshape(w1.shape), e[w1.size :].reshape(w2.shape)
+      g_p = flat(*mlp_grad(w1 + e1, w2 + e2, xs, ys))
+      outputs.append(g_p - worker.ALPHA * (g_c - g_c @ g_p / (g_p @ g_p) * g_p))
+    g = np.mean(outputs, axis=0)
+    w1 = w1 - worker.LR * g[: w1.size].reshape(w1.shape)
+    w2 = w2 - worker.LR * g[w1.size :].reshape(w2.shape)
+  return {"w1": w1, "w2": w2}
 
 
 @pytest.mark.parametrize("how", ["kill", "raise", "exit"])

@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import optax_gsam
+from optax_gsam._src import microbatch
 from optax_gsam._src import step
 
 
@@ -85,9 +86,9 @@ def test_reduce_over_axis_averages_what_differs_per_device():
   np.testing.assert_allclose(out.diagnostics.cosine, np.full(4, 4.5))
 
 
-def test_average_groups_accumulates_in_float32_and_divides():
+def test_average_over_microbatches_accumulates_in_float32_and_divides():
   groups = lambda g: {"w": jnp.full((2,), g, jnp.bfloat16)}
-  out = step.average_groups(4, groups)
+  out = microbatch.average_over(4, groups)
   assert out["w"].dtype == jnp.float32
   np.testing.assert_allclose(out["w"], np.full(2, 1.5))
 
@@ -115,16 +116,19 @@ def test_fallback_is_decided_on_scalars_and_selects_the_clean_gradient():
   assert bool(step.needs_fallback(settings(), nan_rho, finite))  # a NaN rho always falls back
 
 
-def test_a_stored_direction_is_kept_only_from_a_finite_step_that_did_not_fall_back():
+def test_what_a_full_step_learns_is_kept_only_from_a_finite_step_that_did_not_fall_back():
   previous = {"w": jnp.ones(2)}
   bad = _bad_full_result()
   outcome = step.Outcome(
     bad.gradient, bad.stored_direction, bad.diagnostics, jnp.asarray(True), jnp.asarray(False)
   )
-  np.testing.assert_array_equal(step.keep_finite_direction(outcome, previous)["w"], previous["w"])
+  keep = lambda outcome: step.keep_learned(outcome, outcome.stored_direction, previous)["w"]
+  np.testing.assert_array_equal(keep(outcome), previous["w"])
   good = {"w": jnp.array([3.0, 4.0])}
   diagnostics = bad.diagnostics._replace(perturbed_loss=jnp.float32(1.0))
   outcome = outcome._replace(stored_direction=good, diagnostics=diagnostics)
-  np.testing.assert_array_equal(step.keep_finite_direction(outcome, previous)["w"], good["w"])
-  outcome = outcome._replace(fell_back=jnp.asarray(True))
-  np.testing.assert_array_equal(step.keep_finite_direction(outcome, previous)["w"], previous["w"])
+  np.testing.assert_array_equal(keep(outcome), previous["w"])  # the output is still NaN
+  outcome = outcome._replace(gradient=good)
+  np.testing.assert_array_equal(keep(outcome), good["w"])
+  np.testing.assert_array_equal(keep(outcome._replace(fell_back=jnp.asarray(True))), previous["w"])
+  np.testing.assert_array_equal(keep(outcome._replace(full=jnp.asarray(False))), previous["w"])

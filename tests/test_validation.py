@@ -59,9 +59,9 @@ GSAM = {
     lambda: optax_gsam.gsam(0.1, num_groups=0),
     r"num_groups must be None or an int >= 1",
   ),
-  "gsam_num_groups_with_axis": (
-    lambda: optax_gsam.gsam(0.1, num_groups=2, axis_name="data"),
-    r"num_groups .*axis_name",
+  "gsam_num_groups_with_sync": (
+    lambda: optax_gsam.gsam(0.1, num_groups=2, axis_name="data", sync_perturbation=True),
+    r"num_groups .*sync_perturbation",
   ),
   "gsam_adaptive_choices": (
     lambda: optax_gsam.gsam(0.1, adaptive="ASAM"),

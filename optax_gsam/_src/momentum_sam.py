@@ -14,6 +14,9 @@ from optax_gsam._src import perturbation as pert
 from optax_gsam._src import step
 from optax_gsam._src.arrays import compute_dtype
 from optax_gsam._src.arrays import numbers_as_arrays
+from optax_gsam._src.microbatch import accumulated
+from optax_gsam._src.microbatch import microbatch_fns
+from optax_gsam._src.placement import check_placement
 from optax_gsam._src.schedules import value_at
 from optax_gsam._src.user_functions import check_extra_args
 from optax_gsam._src.user_functions import scalar_loss
@@ -23,6 +26,7 @@ from optax_gsam._src.validation import check_data_axis_is_set
 from optax_gsam._src.validation import check_non_negative
 from optax_gsam._src.validation import check_params_leaves
 from optax_gsam._src.validation import check_positive
+from optax_gsam._src.validation import check_positive_int
 from optax_gsam._src.validation import check_unit_interval
 from optax_gsam._src.validation import check_update_inputs
 from optax_gsam.typing import AxisName
@@ -33,7 +37,8 @@ class MomentumSAMState(NamedTuple):
 
   Attributes:
     count: number of updates with a finite output; rho schedules read it.
-    rho: the radius of the last update.
+    last_rho: the radius of the last update (named as in
+      :class:`optax_gsam.GSAMState`).
     perturbed_loss: the loss at the perturbed weights of the last update.
     momentum: :math:`v_t`, the running sum of past outputs (params-shaped, in
       float32 at least). A non-finite gradient leaves it unchanged.
@@ -43,7 +48,7 @@ class MomentumSAMState(NamedTuple):
   """
 
   count: jax.Array  # type: ignore[assignment]  # the field shadows tuple.count, as in optax
-  rho: jax.Array
+  last_rho: jax.Array
   perturbed_loss: jax.Array
   momentum: optax.Updates
   fallback_count: jax.Array
@@ -54,7 +59,7 @@ def _initial_state(params: optax.Params) -> MomentumSAMState:
   check_params_leaves(params)
   return MomentumSAMState(  # One buffer per field, so that the state can be donated.
     count=jnp.zeros([], jnp.int32),
-    rho=jnp.zeros([], jnp.float32),
+    last_rho=jnp.zeros([], jnp.float32),
     perturbed_loss=jnp.zeros([], jnp.float32),
     # Accumulated in float32 at least: bfloat16 would lose the sum's small terms.
     momentum=jax.tree.map(lambda p: jnp.zeros(p.shape, compute_dtype(p.dtype)), params),
@@ -69,6 +74,7 @@ def momentum_sam(
   eps: float = 1e-12,
   axis_name: AxisName = None,
   check_axis: bool = True,
+  microbatches: int | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Momentum-SAM (MSAM): perturb along past gradients, evaluate one gradient.
 
@@ -106,6 +112,10 @@ def momentum_sam(
     axis_name: the data-parallel axis name, or ``None``.
     check_axis: as in :func:`optax_gsam.gsam`: with ``axis_name=None``, raise
       under a mapped axis unless this is ``False``.
+    microbatches: as in :func:`optax_gsam.gsam`: ``update(..., batch=batch)``
+      with ``loss_fn(params, microbatch)`` evaluates the perturbed gradient of
+      the whole batch as the mean over this many micro-batches, one live at a
+      time.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` with state
@@ -131,24 +141,31 @@ def momentum_sam(
   check_unit_interval("momentum", momentum, include_one=False)
   check_positive("eps", eps)
   check_axis_name(axis_name)
+  check_positive_int("microbatches", microbatches, allow_none=True)
   if not isinstance(check_axis, bool):
     raise ValueError(f"check_axis must be a bool, got {check_axis!r}.")
 
   def update_fn(
-    updates: optax.Updates,
+    updates: optax.Updates | None,
     state: MomentumSAMState,
     params: optax.Params | None = None,
     *,
     loss_fn: Callable | None = None,
     value_and_grad_fn: Callable | None = None,
+    batch: Any = None,
     **extra_args: Any,
   ) -> tuple[optax.Updates, MomentumSAMState]:
-    check_extra_args(extra_args, known=("loss_fn", "value_and_grad_fn"))
+    check_placement("momentum_sam")
+    check_extra_args(extra_args, known=("loss_fn", "value_and_grad_fn", "batch"))
     params = numbers_as_arrays(params)
-    check_update_inputs(updates, params, state.momentum)
+    check_update_inputs(params if updates is None else updates, params, state.momentum)
     if check_axis:
       check_data_axis_is_set(axis_name)
     grad_fn = value_and_grad_from(loss_fn, value_and_grad_fn)
+    if microbatches is not None:
+      grad_fn = accumulated(microbatch_fns(grad_fn, batch, microbatches), microbatches)
+    elif batch is not None:
+      raise ValueError("update() got batch=, which momentum_sam reads only with microbatches=k.")
     rho_t = value_at(rho, state.count)
     rho_ok = jnp.isfinite(rho_t) & (rho_t >= 0)  # else the clean gradient, counted
     safe_rho = jnp.where(rho_ok, rho_t, jnp.zeros_like(rho_t))
@@ -158,7 +175,7 @@ def momentum_sam(
     loss = scalar_loss(value)
     if axis_name is not None:
       grads, loss = step.pmean((grads, loss), axis_name)
-    grads = optax.tree.cast_like(grads, updates)
+    grads = optax.tree.cast_like(grads, params if updates is None else updates)
     finite = step.all_finite(grads)
     momentum_next = jax.tree.map(
       lambda v, g: jnp.where(finite, momentum * v + g.astype(v.dtype), v), state.momentum, grads
@@ -166,7 +183,7 @@ def momentum_sam(
     increment = lambda count, flag: jnp.where(flag, optax.safe_increment(count), count)
     new_state = MomentumSAMState(
       count=increment(state.count, finite),
-      rho=rho_t.astype(jnp.float32),
+      last_rho=rho_t.astype(jnp.float32),
       perturbed_loss=loss,
       momentum=momentum_next,
       fallback_count=increment(state.fallback_count, finite & ~rho_ok),

@@ -20,12 +20,16 @@ import optax
 from optax_gsam._src import perturbation as pert
 from optax_gsam._src import step
 from optax_gsam._src.arrays import numbers_as_arrays
+from optax_gsam._src.ascent import check_mask
+from optax_gsam._src.microbatch import accumulated
+from optax_gsam._src.microbatch import microbatch_fns
+from optax_gsam._src.placement import check_not_masked
+from optax_gsam._src.placement import check_placement
 from optax_gsam._src.policies import REUSE_WEIGHT_NOT_GIVEN
 from optax_gsam._src.policies import SharpnessPolicy
 from optax_gsam._src.policies import keep_unless_counted
 from optax_gsam._src.policies import policy_from_arguments
 from optax_gsam._src.user_functions import check_extra_args
-from optax_gsam._src.user_functions import group_value_and_grad
 from optax_gsam._src.user_functions import scalar_loss
 from optax_gsam._src.user_functions import value_and_grad_from
 from optax_gsam._src.validation import check_axis_name
@@ -55,7 +59,9 @@ class GSAMState(NamedTuple):
       steps. A chain that repairs non-finite updates instead (e.g.
       ``optax.zero_nans()``) advances its optimizers on such a step while this
       count stays, which delays rho by one step per such step.
-    rho: the radius :math:`\\rho_t` of the last update.
+    last_rho: the radius :math:`\\rho_t` of the last update. (Not named
+      ``rho``, so that ``optax.tree.get(opt_state, "rho")`` finds the one
+      hyperparameter of ``optax.inject_hyperparams(optax_gsam.gsam)``.)
     perturbed_loss: :math:`f_p = f(w + \\epsilon)`.
     surrogate_gap: :math:`h = f_p - f`, when the clean loss was passed as
       ``value=``; 0 otherwise.
@@ -68,6 +74,11 @@ class GSAMState(NamedTuple):
     fallback_count: with ``on_nonfinite="clean"``, how many full steps had a
       non-finite perturbed loss or gradient and output the clean gradient
       instead. Never reset.
+    gradient_evaluations: how many gradients of the whole batch the
+      transform has evaluated itself: ``ascent_steps`` per full step (one
+      per ascent step, the last at the perturbed weights), plus one per
+      update whose clean gradient it accumulated over micro-batches. The
+      caller's clean pass is not counted.
     policy_state: the state of the cheap-step policy (see
       :class:`optax_gsam.SharpnessPolicy`).
     stored_direction: for policies with ``cheap="reuse"`` (e.g.
@@ -76,10 +87,15 @@ class GSAMState(NamedTuple):
       orthogonal to its clean gradient. ``None`` otherwise. A step whose
       gradients or perturbed loss are not finite, or that fell back to the
       clean gradient, keeps the previous one.
+    ascent_state: the state of the ascent direction (``optax.EmptyState()``
+      for SAM's and the adaptive ones; the moving averages of
+      :func:`optax_gsam.friendly_ascent` and :func:`optax_gsam.vasso_ascent`).
+      Replaced only by a full step that counted, by the same rule as
+      ``stored_direction``; averaged over ``axis_name`` per device.
   """
 
   count: jax.Array  # type: ignore[assignment]  # shadows tuple.count, as optax's states do
-  rho: jax.Array
+  last_rho: jax.Array
   perturbed_loss: jax.Array
   surrogate_gap: jax.Array
   cosine: jax.Array
@@ -87,8 +103,10 @@ class GSAMState(NamedTuple):
   perturbed_grad_norm: jax.Array
   full_steps: jax.Array
   fallback_count: jax.Array
+  gradient_evaluations: jax.Array
   policy_state: Any = optax.EmptyState()
   stored_direction: optax.Updates | None = None
+  ascent_state: Any = optax.EmptyState()
 
   @property
   def diagnostics(self) -> step.Diagnostics:
@@ -97,36 +115,82 @@ class GSAMState(NamedTuple):
 
 
 def _next_state(
-  state: GSAMState, hyper: step.Hyperparams, outcome: step.Outcome, policy_state: Any
+  state: GSAMState,
+  hyper: step.Hyperparams,
+  outcome: step.Outcome,
+  policy_state: Any,
+  evaluations: tuple[int, int],
 ) -> GSAMState:
   """Stage 6: a step whose output is not finite does not count.
 
   With the rest of the chain behind ``optax.apply_if_finite``, rho schedules
-  then stay aligned with the optimizers after this one.
+  then stay aligned with the optimizers after this one. ``evaluations`` is the
+  number of whole-batch gradients a full and a cheap step evaluate.
   """
   increment = lambda count, flag: jnp.where(flag, optax.safe_increment(count), count)
   counts = step.all_finite(outcome.gradient)
   perturbed_loss_ok = jnp.isfinite(outcome.diagnostics.perturbed_loss)
+  evaluated = jnp.where(outcome.full, evaluations[0], evaluations[1]).astype(jnp.int32)
   return GSAMState(
     count=increment(state.count, counts),
-    rho=hyper.rho.astype(jnp.float32),
+    last_rho=hyper.rho.astype(jnp.float32),
     **outcome.diagnostics._asdict(),
     full_steps=increment(
       state.full_steps, outcome.full & counts & perturbed_loss_ok & ~outcome.fell_back
     ),
     fallback_count=increment(state.fallback_count, outcome.fell_back),
+    gradient_evaluations=state.gradient_evaluations + evaluated,
     policy_state=keep_unless_counted(counts, policy_state, state.policy_state),
-    stored_direction=step.keep_finite_direction(outcome, state.stored_direction),
+    stored_direction=step.keep_learned(outcome, outcome.stored_direction, state.stored_direction),
+    ascent_state=step.keep_learned(outcome, outcome.ascent_state, state.ascent_state),
   )
 
 
-def _check_update(updates, state, params, perturb, extra_args, policy, check_axis, axis_name):
+def _check_update(updates, state, params, perturb, extra_args, settings, check_axis, batch):
   """Everything ``update`` can refuse before tracing anything, each with the fix."""
   check_extra_args(extra_args)
-  _check_perturb(perturb, policy)
-  check_update_inputs(updates, params, state.stored_direction)
+  _check_perturb(perturb, settings.policy)
+  check_not_masked(params)
+  microbatched = settings.num_groups is not None or settings.microbatches is not None
+  if updates is None and not microbatched:
+    raise ValueError(
+      "updates is None: pass the clean gradient of loss_fn at params (the usual "
+      "jax.value_and_grad pass), or set microbatches=k so that the transform accumulates it "
+      "over the micro-batches of batch=."
+    )
+  if batch is not None and not microbatched:
+    raise ValueError(
+      "update() got batch=, which gsam/sam read only with microbatches=k: set it, or close over "
+      "the batch in loss_fn."
+    )
+  check_update_inputs(params if updates is None else updates, params, state.stored_direction)
   if check_axis:
-    check_data_axis_is_set(axis_name)
+    check_data_axis_is_set(settings.axis_name)
+
+
+def _run_stages(context, updates, params, grad_fn, clean_loss, perturb, batch):
+  """Stages 2 to 5 for the step's layout: whole batch, accumulated micro-batches, or one
+  perturbation per micro-batch. Also returns how many whole-batch gradients a full and a
+  cheap step evaluate."""
+  settings = context.settings
+  ascent_steps = settings.ascent_steps
+  if settings.num_groups is not None:  # One perturbation per micro-batch.
+    fns = microbatch_fns(grad_fn, batch, settings.num_groups)
+    like = params if updates is None else updates
+    outcome, policy_state = step.grouped_update(context, like, params, fns, perturb)
+    return outcome, policy_state, (1 + ascent_steps, 1)
+  accumulating = 0
+  if settings.microbatches is not None:  # Whole-batch semantics, one micro-batch live.
+    grad_fn = accumulated(
+      microbatch_fns(grad_fn, batch, settings.microbatches), settings.microbatches
+    )
+    if updates is None:
+      clean_loss, updates = grad_fn(params)
+      accumulating = 1
+  outcome, policy_state = step.replicated_update(
+    context, updates, params, grad_fn, clean_loss, perturb
+  )
+  return outcome, policy_state, (ascent_steps + accumulating, accumulating)
 
 
 def _check_perturb(perturb, policy: SharpnessPolicy) -> None:
@@ -142,18 +206,21 @@ def _check_perturb(perturb, policy: SharpnessPolicy) -> None:
     )
 
 
-def _initial_state(policy: SharpnessPolicy, params: optax.Params) -> GSAMState:
+def _initial_state(settings: step.Settings, params: optax.Params) -> GSAMState:
   # A fresh buffer per field: a donated state must not hold one buffer twice.
   zero = lambda: jnp.zeros([], jnp.float32)
   zero_count = lambda: jnp.zeros([], jnp.int32)
+  policy = settings.policy
   return GSAMState(
     count=zero_count(),
-    rho=zero(),
+    last_rho=zero(),
     **{name: zero() for name in step.Diagnostics._fields},
     full_steps=zero_count(),
     fallback_count=zero_count(),
+    gradient_evaluations=zero_count(),
     policy_state=policy.init(),
     stored_direction=optax.tree.zeros_like(params) if policy.stores_direction else None,
+    ascent_state=settings.direction.init(params),
   )
 
 
@@ -166,12 +233,51 @@ def _check_call_arguments(rho, num_groups, perturb_every, check_axis) -> None:
     raise ValueError(f"check_axis must be a bool, got {check_axis!r}.")
 
 
+def _microbatch_settings(microbatches, perturb_each_microbatch, num_groups, sync_perturbation):
+  """``(num_groups, microbatches)`` of :class:`step.Settings`: per-micro-batch or whole-batch."""
+  check_positive_int("microbatches", microbatches, allow_none=True)
+  if not isinstance(perturb_each_microbatch, bool):
+    raise ValueError(f"perturb_each_microbatch must be a bool, got {perturb_each_microbatch!r}.")
+  if microbatches is None:
+    if perturb_each_microbatch:
+      raise ValueError("perturb_each_microbatch=True needs microbatches=k (the number of them).")
+    return num_groups, None
+  if num_groups is not None:
+    raise ValueError(
+      "microbatches and num_groups both split the step; num_groups=G is microbatches=G with "
+      "perturb_each_microbatch=True (and loss_fn(params, index) when no batch is passed)."
+    )
+  if perturb_each_microbatch and sync_perturbation:
+    raise ValueError(
+      "perturb_each_microbatch=True perturbs each micro-batch along its own gradient, and "
+      "sync_perturbation=True along the global one: choose one."
+    )
+  return (microbatches, None) if perturb_each_microbatch else (None, microbatches)
+
+
+def _check_ascent(settings: step.Settings) -> None:
+  if settings.ascent is not None:
+    if settings.adaptive is not None:
+      raise ValueError(
+        "adaptive and ascent both choose the ascent direction: pass ascent="
+        f"optax_gsam.adaptive_ascent({settings.adaptive!r}) alone."
+      )
+    if not isinstance(settings.ascent, optax.GradientTransformation):
+      raise ValueError(
+        "ascent must be an optax.GradientTransformation mapping a gradient to a perturbation of "
+        f"radius 1 (e.g. optax_gsam.normalized_ascent()), got {settings.ascent!r}."
+      )
+  check_positive_int("ascent_steps", settings.ascent_steps)
+  check_mask(settings.mask)
+
+
 def _validated(settings: step.Settings) -> step.Settings:
   """Validates gsam's static arguments eagerly; every error names its argument."""
   check_non_negative("alpha", settings.alpha)
   check_positive("eps", settings.eps)
   if settings.adaptive not in pert.ADAPTIVE_CHOICES:
     raise ValueError(f"adaptive must be one of {pert.ADAPTIVE_CHOICES}, got {settings.adaptive!r}.")
+  _check_ascent(settings)
   for name, flag in (
     ("minimize_fp", settings.minimize_fp),
     ("sync_perturbation", settings.sync_perturbation),
@@ -183,14 +289,16 @@ def _validated(settings: step.Settings) -> step.Settings:
     raise ValueError(
       "sync_perturbation=True needs axis_name: it averages the clean gradient over that axis."
     )
-  if settings.num_groups is not None and settings.axis_name is not None:
+  if settings.num_groups is not None and settings.sync_perturbation:
     raise ValueError(
-      "num_groups emulates devices on one device; it cannot be combined with axis_name."
+      "num_groups perturbs each group along its own gradient, and sync_perturbation=True "
+      "along the global one: choose one."
     )
   if settings.num_groups is not None and settings.policy.uses_grad_norm:
     raise ValueError(
-      f"policy={settings.policy.name!r} reads the clean gradient's norm, which num_groups never forms "
-      "before its per-group passes; use it with axis_name, or pick another policy."
+      f"policy={settings.policy.name!r} reads the clean gradient's norm, which per-micro-batch "
+      "perturbation (num_groups, perturb_each_microbatch) never forms before its per-micro-batch passes; use it with "
+      "perturb_each_microbatch=False, or pick another policy."
     )
   if settings.on_nonfinite not in ON_NONFINITE_CHOICES:
     raise ValueError(
@@ -214,6 +322,11 @@ def gsam(
   policy: SharpnessPolicy | None = None,
   on_nonfinite: str = "propagate",
   check_axis: bool = True,
+  ascent: optax.GradientTransformation | None = None,
+  ascent_steps: int | None = None,
+  mask: Any = None,
+  microbatches: int | None = None,
+  perturb_each_microbatch: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Surrogate Gap Guided Sharpness-Aware Minimization (GSAM).
 
@@ -262,13 +375,43 @@ def gsam(
     :math:`g_p` before the decomposition, which equals single-device GSAM on
     the global batch. Two gradient-sized all-reduces.
 
-  ``num_groups=G`` emulates G devices with per-device perturbation on one
-  device, sequentially (a ``lax.scan`` over groups, so memory stays that of one
-  group). ``update`` then takes ``loss_fn(params, group)`` (or
-  ``value_and_grad_fn(params, group)``), the loss of group ``group`` (an int32
-  scalar in ``[0, G)``), computes each group's clean and perturbed gradient
-  itself and ignores the values in ``updates`` (only their structure and dtypes
-  are read: pass ``optax.tree.zeros_like(params)`` to skip a clean pass).
+  **Micro-batches.** With ``microbatches=k``, ``update(updates, state,
+  params, loss_fn=..., batch=batch)`` takes ``loss_fn(params, microbatch)``
+  (or ``value_and_grad_fn(params, microbatch)``) and splits every leaf of
+  ``batch`` along its leading axis into k equal micro-batches, evaluated one
+  at a time in a ``lax.scan`` (one micro-batch's activations and one
+  params-sized sum live). Without ``batch``, the function receives the
+  micro-batch index (an int32 scalar in ``[0, k)``). Two semantics:
+
+  * whole batch (default): :math:`g_c` and :math:`g_p` are the means over the
+    micro-batches, the weights are perturbed once along the whole batch's
+    :math:`g_c`; the result is GSAM on the whole batch. ``updates=None`` lets
+    the transform accumulate :math:`g_c` too (and the clean loss, for the
+    surrogate gap); otherwise ``updates`` is the caller's whole-batch
+    :math:`g_c`.
+  * ``perturb_each_microbatch=True``: each micro-batch is perturbed along its
+    own clean gradient (m-sharpness with m the micro-batch size) and the
+    output is the mean of the micro-batches' GSAM gradients; the values of
+    ``updates`` are not read (pass ``None``). ``num_groups=G`` is this with
+    ``microbatches=G``.
+
+  Both work with ``axis_name`` (they split each device's batch). See
+  docs/large_batches.md. ``optax.MultiSteps`` around the transform is
+  refused: it would perturb along the accumulated gradient but evaluate only
+  the last micro-batch's ``loss_fn``.
+
+  **The ascent stage.** ``ascent`` is an ``optax.GradientTransformation``
+  mapping a gradient to a perturbation of radius 1 (the default is
+  :func:`optax_gsam.normalized_ascent`, or the one ``adaptive`` names; see
+  :func:`optax_gsam.friendly_ascent` and :func:`optax_gsam.vasso_ascent`);
+  its state is ``GSAMState.ascent_state``. ``ascent_steps=n`` takes n steps
+  of length :math:`\rho_t / n`, each along the direction of the gradient at
+  the point reached. ``mask`` (a pytree of Python bools, or a function of the
+  params returning one, as ``optax.masked`` takes) restricts the
+  perturbation to the selected leaves; every leaf's gradient is still taken
+  at the perturbed point. The transform must be the first stage of its
+  ``optax.chain`` (a stage before it would be lost; this is refused), and
+  not inside ``optax.masked`` (use ``mask``). See docs/directions.md.
 
   **Cheap steps.** A ``policy`` (:class:`optax_gsam.SharpnessPolicy`) decides
   at each step between the full step above and a cheap one that needs only
@@ -331,7 +474,8 @@ def gsam(
     axis_name: the data-parallel axis name, or ``None`` on a single device or
       under ``jax.jit`` with globally sharded arrays (gradients are global
       there, which behaves as synchronized).
-    num_groups: emulate this many devices sequentially on one (see above).
+    num_groups: ``microbatches=num_groups, perturb_each_microbatch=True``
+      (see above), kept for compatibility.
     perturb_every: shorthand for ``policy=every_k_policy(perturb_every,
       reuse_weight=reuse_weight)`` (``None`` or 1: every step). A static int.
     reuse_weight: :math:`\lambda` of ``perturb_every``, a float >= 0 or a
@@ -348,6 +492,14 @@ def gsam(
       gradients given to ``update`` are already global and identical on every
       replica, e.g. those of :func:`optax_gsam.cached_value_and_grad` with its
       own ``axis_name``.
+    ascent: the ascent direction, an ``optax.GradientTransformation`` (see
+      above); ``None`` is the one ``adaptive`` names. Not with ``adaptive``.
+    ascent_steps: the number of ascent steps n >= 1 (``None``: 1); a full step
+      evaluates n gradients besides the clean one.
+    mask: which params leaves are perturbed (see above); ``None``: all.
+    microbatches: split ``batch=`` into this many micro-batches (see above).
+    perturb_each_microbatch: one perturbation per micro-batch instead of one
+      for the whole batch.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` with state :class:`GSAMState`.
@@ -380,6 +532,9 @@ def gsam(
   """
   _check_call_arguments(rho, num_groups, perturb_every, check_axis)
   policy = policy_from_arguments(policy, perturb_every, reuse_weight)
+  num_groups, whole_batch_microbatches = _microbatch_settings(
+    microbatches, perturb_each_microbatch, num_groups, sync_perturbation
+  )
   settings = _validated(
     step.Settings(
       alpha=alpha,
@@ -391,13 +546,17 @@ def gsam(
       num_groups=num_groups,
       policy=policy,
       on_nonfinite=on_nonfinite,
+      ascent=ascent,
+      ascent_steps=1 if ascent_steps is None else ascent_steps,
+      mask=mask,
+      microbatches=whole_batch_microbatches,
     )
   )
 
-  init_fn = functools.partial(_initial_state, policy)
+  init_fn = functools.partial(_initial_state, settings)
 
   def update_fn(
-    updates: optax.Updates,
+    updates: optax.Updates | None,
     state: GSAMState,
     params: optax.Params | None = None,
     *,
@@ -405,24 +564,28 @@ def gsam(
     value_and_grad_fn: Callable | None = None,
     value: jax.Array | None = None,
     perturb: bool | None = None,
+    batch: Any = None,
     **extra_args: Any,
   ) -> tuple[optax.Updates, GSAMState]:
+    check_placement("gsam/sam")
     params = numbers_as_arrays(params)
-    _check_update(updates, state, params, perturb, extra_args, policy, check_axis, axis_name)
+    _check_update(updates, state, params, perturb, extra_args, settings, check_axis, batch)
     hyper = step.hyperparams_at(rho, policy, state.count, alpha)
     context = step.StepContext(
-      settings, hyper, state.policy_state, state.count, state.stored_direction, state.diagnostics
+      settings,
+      hyper,
+      state.policy_state,
+      state.count,
+      state.stored_direction,
+      state.diagnostics,
+      state.ascent_state,
     )
-    if num_groups is None:
-      grad_fn = value_and_grad_from(loss_fn, value_and_grad_fn)
-      clean_loss = scalar_loss(value) if value is not None else None
-      outcome, policy_state = step.replicated_update(
-        context, updates, params, grad_fn, clean_loss, perturb
-      )
-    else:
-      group_fn = group_value_and_grad(loss_fn, value_and_grad_fn)
-      outcome, policy_state = step.grouped_update(context, updates, params, group_fn, perturb)
-    return outcome.gradient, _next_state(state, hyper, outcome, policy_state)
+    grad_fn = value_and_grad_from(loss_fn, value_and_grad_fn)
+    clean_loss = scalar_loss(value) if value is not None else None
+    outcome, policy_state, evaluations = _run_stages(
+      context, updates, params, grad_fn, clean_loss, perturb, batch
+    )
+    return outcome.gradient, _next_state(state, hyper, outcome, policy_state, evaluations)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -440,6 +603,11 @@ def sam(
   policy: SharpnessPolicy | None = None,
   on_nonfinite: str = "propagate",
   check_axis: bool = True,
+  ascent: optax.GradientTransformation | None = None,
+  ascent_steps: int | None = None,
+  mask: Any = None,
+  microbatches: int | None = None,
+  perturb_each_microbatch: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Sharpness-Aware Minimization (SAM): :func:`gsam` with ``alpha=0``.
 
@@ -479,6 +647,11 @@ def sam(
     policy=policy,
     on_nonfinite=on_nonfinite,
     check_axis=check_axis,
+    ascent=ascent,
+    ascent_steps=ascent_steps,
+    mask=mask,
+    microbatches=microbatches,
+    perturb_each_microbatch=perturb_each_microbatch,
   )
 
 

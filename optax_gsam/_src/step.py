@@ -3,18 +3,21 @@
 1. the hyperparameters at the step (:func:`hyperparams_at`);
 2. the policy's choice between the full and the cheap step (:func:`decide`,
    then :func:`choose`: a static branch or a ``lax.cond``);
-3. the full step of one replica: perturb, evaluate the loss, decompose
+3. the full step of one replica: the ascent (:func:`ascend`: the direction,
+   the mask and the ascent steps), the perturbed pass, the decomposition
    (:func:`full_step`);
 4. the cheap step of one replica (:func:`cheap_step`);
 5. the reduction: a pmean over ``axis_name`` (:func:`reduce_over_axis`) or the
-   average of a scan over ``num_groups`` (:func:`average_groups`), with the
+   average of a scan over micro-batches (:func:`grouped_update`), with the
    fallback to the clean gradient (:func:`fall_back_to_clean`);
-6. what the new state keeps (:func:`keep_finite_direction`); ``sharpness.py``
-   builds it.
+6. what the new state keeps (:func:`keep_learned`, one rule for the stored
+   direction and the ascent state); ``sharpness.py`` builds it.
 
-A *replica* is one device under ``axis_name``, one emulated group under
-``num_groups``, or the whole step on a single device. :func:`grouped_update`
-is stage 2 to 5 for ``num_groups``.
+A *replica* is one device under ``axis_name``, one micro-batch perturbed on
+its own (``num_groups``, ``perturb_each_microbatch``), or the whole step on a
+single device. :func:`grouped_update` is stage 2 to 5 for per-micro-batch
+perturbation; whole-batch micro-batching is :func:`replicated_update` with an
+accumulating gradient function (:mod:`optax_gsam._src.microbatch`).
 """
 
 from __future__ import annotations
@@ -28,7 +31,10 @@ import jax.numpy as jnp
 import optax
 
 from optax_gsam._src import perturbation as pert
-from optax_gsam._src.arrays import compute_dtype
+from optax_gsam._src.ascent import ascent_from_adaptive
+from optax_gsam._src.ascent import resolve_mask
+from optax_gsam._src.ascent import select_leaves
+from optax_gsam._src.microbatch import average_over
 from optax_gsam._src.policies import SharpnessPolicy
 from optax_gsam._src.schedules import value_at
 from optax_gsam._src.user_functions import ValueAndGradFn
@@ -51,6 +57,17 @@ class Settings(NamedTuple):
   num_groups: int | None
   policy: SharpnessPolicy
   on_nonfinite: str
+  # The ascent stage (stage 3a): the direction, how many ascent steps, which leaves move.
+  ascent: optax.GradientTransformation | None = None  # None: the one ``adaptive`` names
+  ascent_steps: int = 1
+  mask: Any = None
+  microbatches: int | None = None  # whole-batch semantics, accumulated over this many
+
+  @property
+  def direction(self) -> optax.GradientTransformation:
+    if self.ascent is not None:
+      return self.ascent
+    return ascent_from_adaptive(self.adaptive, self.eps)
 
   @property
   def per_device(self) -> bool:
@@ -90,11 +107,17 @@ class Diagnostics(NamedTuple):
 
 
 class BranchResult(NamedTuple):
-  """What one replica's branch gives; ``None`` fields are not reduced (cheap steps)."""
+  """What one replica's branch gives; ``None`` fields are not reduced (cheap steps).
+
+  ``stored_direction`` and ``ascent_state`` are the state a full step learns;
+  a cheap step leaves them ``None``, and :func:`keep_learned` keeps the
+  previous ones where the step did not count.
+  """
 
   gradient: optax.Updates  # the output g
   stored_direction: optax.Updates | None = None
   diagnostics: Diagnostics | None = None
+  ascent_state: Any = None
 
 
 class Outcome(NamedTuple):
@@ -105,6 +128,7 @@ class Outcome(NamedTuple):
   diagnostics: Diagnostics
   full: jax.Array  # bool: the full step ran
   fell_back: jax.Array  # bool: the output is the clean gradient instead of the full step's
+  ascent_state: Any = None
 
 
 def pmean(tree: Any, axis_name: AxisName) -> Any:
@@ -116,6 +140,16 @@ def pmean(tree: Any, axis_name: AxisName) -> Any:
       "jax.pmap, jax.shard_map or jax.vmap over that axis name; outside them, leave "
       "axis_name=None."
     ) from error
+
+
+def pmean_inexact(tree: Any, axis_name: AxisName) -> Any:
+  """The mean over ``axis_name`` of the float leaves; integer leaves (counts) are the same everywhere."""
+  leaves, treedef = jax.tree.flatten(tree)
+  inexact = [i for i, x in enumerate(leaves) if jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
+  means = pmean([leaves[i] for i in inexact], axis_name)
+  for i, mean in zip(inexact, means, strict=True):
+    leaves[i] = mean
+  return jax.tree.unflatten(treedef, leaves)
 
 
 def all_finite(tree: Any) -> jax.Array:
@@ -198,6 +232,40 @@ def choose(
   return jax.lax.cond(due, full, cheap)
 
 
+def ascend(
+  settings: Settings,
+  rho: jax.Array,
+  clean_grads: optax.Updates,
+  params: optax.Params,
+  grad_fn: ValueAndGradFn,
+  ascent_state: Any,
+) -> tuple[Any, optax.Updates, Any]:
+  r"""Stage 3a: ``ascent_steps`` ascent steps, then the gradient at the perturbed weights.
+
+  With :math:`n` steps, :math:`g_0 = g_c` and the direction :math:`a`,
+
+  .. math::
+
+    \epsilon_i = \epsilon_{i-1} + (\rho / n)\, a(g_{i-1}), \qquad
+    g_i = \nabla f(w + \epsilon_i),
+
+  restricted to the leaves of the mask. Returns the value at the last point,
+  :math:`g_p = g_n` and the direction's new state.
+  """
+  mask = resolve_mask(settings.mask, params)
+  step_size = rho / settings.ascent_steps
+  grads, epsilon, value = clean_grads, None, None
+  for _ in range(settings.ascent_steps):
+    unit, ascent_state = settings.direction.update(select_leaves(mask, grads), ascent_state, params)
+    move = select_leaves(mask, unit)
+    epsilon = move if epsilon is None else jax.tree.map(jnp.add, epsilon, move)
+    perturbed = jax.tree.map(lambda w, e: w + (e * step_size).astype(w.dtype), params, epsilon)
+    value, grads = grad_fn(perturbed)
+    if settings.synchronized:
+      grads = pmean(grads, settings.axis_name)
+  return value, grads, ascent_state
+
+
 def full_step(
   settings: Settings,
   rho: jax.Array,
@@ -205,15 +273,15 @@ def full_step(
   params: optax.Params,
   grad_fn: ValueAndGradFn,
   clean_loss: jax.Array | None,
+  ascent_state: Any = None,
 ) -> BranchResult:
-  """Stage 3: one replica's GSAM gradient, stored direction and diagnostics."""
-  epsilon = pert.perturbation(
-    clean_grads, params, rho, adaptive=settings.adaptive, eps=settings.eps
+  """Stage 3: one replica's GSAM gradient, stored direction, diagnostics and ascent state."""
+  if ascent_state is None:
+    ascent_state = settings.direction.init(params)
+  perturbed_value, perturbed_grads, ascent_state = ascend(
+    settings, rho, clean_grads, params, grad_fn, ascent_state
   )
-  perturbed_value, perturbed_grads = grad_fn(optax.apply_updates(params, epsilon))
   perturbed_loss = scalar_loss(perturbed_value)
-  if settings.synchronized:
-    perturbed_grads = pmean(perturbed_grads, settings.axis_name)
   stats = pert.gradient_stats(clean_grads, perturbed_grads)
   if settings.is_sam:
     gradient = optax.tree.cast_like(perturbed_grads, clean_grads)
@@ -237,7 +305,7 @@ def full_step(
   stored = None
   if settings.policy.stores_direction:
     stored = pert.orthogonal_component(gradient, clean_grads, eps=settings.eps)
-  return BranchResult(gradient, stored, diagnostics)
+  return BranchResult(gradient, stored, diagnostics, ascent_state)
 
 
 def cheap_step(
@@ -259,26 +327,12 @@ def reduce_over_axis(settings: Settings, result: BranchResult) -> BranchResult:
   """Stage 5 over ``axis_name``: one collective for everything that differs per device."""
   if settings.axis_name is None:
     return result
-  if settings.per_device:  # Output, stored direction and scalars ride in one all-reduce.
-    return pmean(result, settings.axis_name)
+  if settings.per_device:  # Output, stored direction, scalars and state: one all-reduce.
+    return pmean_inexact(result, settings.axis_name)
   # Synchronized: the gradients are global already; only the local losses differ.
   if result.diagnostics is None:
     return result
   return result._replace(diagnostics=pmean(result.diagnostics, settings.axis_name))
-
-
-def average_groups(num_groups: int, group_result: Callable[[jax.Array], Any]) -> Any:
-  """Stage 5 over ``num_groups``: the mean of ``group_result(g)``, one group live at a time."""
-  groups = jnp.arange(num_groups, dtype=jnp.int32)
-
-  def body(total, group):
-    result = group_result(group)
-    return jax.tree.map(lambda t, x: t + x.astype(t.dtype), total, result), None
-
-  shapes = jax.eval_shape(group_result, groups[0])
-  initial = jax.tree.map(lambda s: jnp.zeros(s.shape, compute_dtype(s.dtype)), shapes)
-  total, _ = jax.lax.scan(body, initial, groups)
-  return jax.tree.map(lambda t: t / num_groups, total)
 
 
 def rho_unusable(hyper: Hyperparams) -> bool | jax.Array:
@@ -340,6 +394,7 @@ class StepContext(NamedTuple):
   count: jax.Array  # type: ignore[assignment]  # shadows tuple.count, like GSAMState
   stored_direction: optax.Updates | None
   diagnostics: Diagnostics
+  ascent_state: Any = None
 
 
 def _outcome(
@@ -357,9 +412,12 @@ def _outcome(
   elif previous_stored is not None:
     stored = optax.tree.cast_like(stored, previous_stored)
   diagnostics = previous_diagnostics if result.diagnostics is None else result.diagnostics
+  ascent_state = context.ascent_state if result.ascent_state is None else result.ascent_state
+  if context.ascent_state is not None:
+    ascent_state = optax.tree.cast_like(ascent_state, context.ascent_state)
   gradient = optax.tree.cast_like(result.gradient, like)
   fell_back = jnp.asarray(fallback) & all_finite(gradient)
-  return Outcome(gradient, stored, diagnostics, jnp.asarray(full), fell_back)
+  return Outcome(gradient, stored, diagnostics, jnp.asarray(full), fell_back, ascent_state)
 
 
 def replicated_update(
@@ -382,16 +440,10 @@ def replicated_update(
   )
 
   def full() -> Outcome:
-    result = full_step(settings, hyper.safe_rho, clean_grads, params, grad_fn, clean_loss)
-    if settings.per_device:  # Select per device before the mean: no extra all-reduce.
-      fallback = needs_fallback(settings, hyper, result, settings.axis_name)
-      result = fall_back_to_clean(outputs_clean(hyper, fallback), clean_grads, result)
-      result = reduce_over_axis(settings, result)
-    else:
-      result = reduce_over_axis(settings, result)
-      fallback = needs_fallback(settings, hyper, result)
-      result = fall_back_to_clean(outputs_clean(hyper, fallback), clean_grads, result)
-    return _outcome(result, True, fallback, context, updates)
+    result = full_step(
+      settings, hyper.safe_rho, clean_grads, params, grad_fn, clean_loss, context.ascent_state
+    )
+    return _full_with_fallback(context, result, clean_grads, updates)
 
   def cheap() -> Outcome:
     result = cheap_step(settings, hyper.reuse_weight, clean_grads, context.stored_direction)
@@ -401,6 +453,33 @@ def replicated_update(
   return choose(due, full, cheap, perturb), policy_state
 
 
+def _full_with_fallback(
+  context: StepContext,
+  result: BranchResult,
+  clean_grads: optax.Updates | None,
+  like: optax.Updates,
+) -> Outcome:
+  """Stage 5 of a full step: the fallback to ``clean_grads`` and the reduction, in either order.
+
+  Per device, the fallback is selected on each device before the mean, so it
+  needs no all-reduce of its own; ``clean_grads=None`` means no fallback can
+  happen (the grouped path does not keep the clean gradients then).
+  """
+  settings, hyper = context.settings, context.hyper
+  fallback: bool | jax.Array = False
+  if settings.per_device:
+    if clean_grads is not None:
+      fallback = needs_fallback(settings, hyper, result, settings.axis_name)
+      result = fall_back_to_clean(outputs_clean(hyper, fallback), clean_grads, result)
+    result = reduce_over_axis(settings, result)
+  else:
+    result = reduce_over_axis(settings, result)
+    if clean_grads is not None:
+      fallback = needs_fallback(settings, hyper, result)
+      result = fall_back_to_clean(outputs_clean(hyper, fallback), clean_grads, result)
+  return _outcome(result, True, fallback, context, like)
+
+
 def grouped_update(
   context: StepContext,
   updates: optax.Updates,
@@ -408,10 +487,12 @@ def grouped_update(
   group_fn: Callable[[jax.Array], ValueAndGradFn],
   perturb: bool | None,
 ) -> tuple[Outcome, Any]:
-  """Stages 2 to 5 for ``num_groups``: a scan over groups, each perturbed with its own gradient.
+  """Stages 2 to 5 for per-micro-batch perturbation: a scan over micro-batches (groups).
 
-  Where a fallback to the clean gradient can happen, the scan also averages
-  the groups' clean gradients, so no group is evaluated twice.
+  Each group is perturbed along its own clean gradient; the results are
+  averaged, then averaged over ``axis_name`` per device. Where a fallback to
+  the clean gradient can happen, the scan also averages the groups' clean
+  gradients, so no group is evaluated twice.
   """
   settings, hyper = context.settings, context.hyper
   num_groups = settings.num_groups
@@ -425,33 +506,41 @@ def grouped_update(
 
   def full_of(group):
     clean_loss, clean_grads = clean_of(group)
-    result = full_step(settings, hyper.safe_rho, clean_grads, params, group_fn(group), clean_loss)
+    result = full_step(
+      settings,
+      hyper.safe_rho,
+      clean_grads,
+      params,
+      group_fn(group),
+      clean_loss,
+      context.ascent_state,
+    )
     return result, (clean_grads if keep_clean else None)
 
   def full() -> Outcome:
-    result, clean_average = average_groups(num_groups, full_of)
-    fallback = needs_fallback(settings, hyper, result) if keep_clean else False
-    if keep_clean:
-      result = fall_back_to_clean(outputs_clean(hyper, fallback), clean_average, result)
-    return _outcome(result, True, fallback, context, updates)
+    result, clean_average = average_over(num_groups, full_of)
+    return _full_with_fallback(context, result, clean_average, updates)
 
   def cheap_of(group):
     return cheap_step(settings, hyper.reuse_weight, clean_of(group)[1], context.stored_direction)
 
   def cheap() -> Outcome:
-    result = average_groups(num_groups, cheap_of)
+    result = reduce_over_axis(settings, average_over(num_groups, cheap_of))
     return _outcome(result, False, rho_unusable(hyper), context, updates)
 
   return choose(due, full, cheap, perturb), policy_state
 
 
-def keep_finite_direction(
-  outcome: Outcome, previous_stored: optax.Updates | None
-) -> optax.Updates | None:
-  """Stage 6: a stored direction from a step that was not finite, or fell back, is not kept."""
-  stored = outcome.stored_direction
-  if stored is None:
-    return None
-  perturbed_loss_ok = ~outcome.full | jnp.isfinite(outcome.diagnostics.perturbed_loss)
-  keep = all_finite(stored) & perturbed_loss_ok & ~outcome.fell_back
-  return jax.tree.map(lambda new, old: jnp.where(keep, new, old), stored, previous_stored)
+def keep_learned(outcome: Outcome, learned: Any, previous: Any) -> Any:
+  """Stage 6, one rule for all a full step learns (stored direction, ascent state).
+
+  ``learned`` replaces ``previous`` only where a full step ran, its gradients
+  and perturbed loss were finite, and it did not fall back; otherwise (cheap
+  steps, non-finite steps) the previous value is kept.
+  """
+  if learned is None or not jax.tree.leaves(learned):
+    return learned
+  perturbed_loss_ok = jnp.isfinite(outcome.diagnostics.perturbed_loss)
+  keep = outcome.full & all_finite(learned) & perturbed_loss_ok & ~outcome.fell_back
+  keep = keep & all_finite(outcome.gradient)
+  return jax.tree.map(lambda new, old: jnp.where(keep, new, old), learned, previous)

@@ -36,7 +36,7 @@ IGNORED_ARGUMENT = (
 )
 
 # The keywords gsam/sam/momentum_sam read from update(); a near miss of one is a misspelling.
-UPDATE_KEYWORDS = ("loss_fn", "value_and_grad_fn", "value", "perturb")
+UPDATE_KEYWORDS = ("loss_fn", "value_and_grad_fn", "value", "perturb", "batch")
 # How close (difflib ratio) a name must be to one of them to be taken for a misspelling:
 # `valu`/`value` is 0.89, `value_fn` (optax's line searches read it)/`value` is 0.77.
 TYPO_CUTOFF = 0.8
@@ -210,11 +210,3 @@ def scalar_loss(value: Any) -> jax.Array:
   if value.shape != ():
     raise ValueError(f"The loss must be a scalar, got shape {value.shape}.")
   return value.astype(jnp.float32)
-
-
-def group_value_and_grad(
-  loss_fn: Callable | None, value_and_grad_fn: Callable | None
-) -> Callable[[jax.Array], ValueAndGradFn]:
-  """``group -> (params -> (value, grads))`` for ``num_groups``: the user's fn takes the group."""
-  grad_fn = value_and_grad_from(loss_fn, value_and_grad_fn)
-  return lambda group: lambda params: grad_fn(params, group)

@@ -31,7 +31,10 @@ def _concrete_value(value) -> float | None:
   """The value of a concrete scalar array; None for a tracer (checked where it is used)."""
   if isinstance(value, jax.core.Tracer):
     return None
-  return float(value)
+  try:
+    return float(value)
+  except jax.errors.ConcretizationTypeError:  # traced inside a cond (optax.apply_if_finite)
+    return None
 
 
 def check_non_negative(

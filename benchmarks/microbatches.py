@@ -1,0 +1,148 @@
+"""Micro-batched GSAM: time per example and compiled memory against the number of micro-batches.
+
+At a fixed global batch, a tanh MLP's GSAM step is compiled and timed as
+
+* ``whole``: the usual step, the clean gradient of the whole batch from the caller;
+* ``k=K``: ``gsam(..., microbatches=K)`` with ``update(None, ...)``, both passes accumulated
+  over K micro-batches (whole-batch semantics);
+* ``k=K each``: ``perturb_each_microbatch=True`` (one perturbation per micro-batch);
+* ``base``: the AdamW step without GSAM, for the time in base steps.
+
+Times are medians of paired interleaved rounds, as ratios to ``whole`` in the same process;
+compiled ``temp_size_in_bytes`` is deterministic. (XLA's CPU cost analysis counts a loop body
+once, whatever its trip count, so FLOPs of the scanned steps are not comparable and not shown.)
+
+    python benchmarks/microbatches.py            # global batch 2048, K in 1 2 4 8 16, 15 rounds
+    python benchmarks/microbatches.py --quick    # global batch 512, K in 2 4, 3 rounds
+
+Writes ``results/microbatches[_quick].json``; targets and results in benchmarks/README.md.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import optax_gsam
+
+import harness
+
+RHO, ALPHA, LR = 0.05, 0.3, 1e-3
+WIDTH, FEATURES, CLASSES = 512, 64, 10
+
+
+def make_problem(batch_size: int, seed: int = 0):
+  rng = np.random.default_rng(seed)
+  dims = [FEATURES, WIDTH, WIDTH, CLASSES]
+  params = {
+    f"w{i}": jnp.asarray(rng.normal(size=(a, b)) / np.sqrt(a), jnp.float32)
+    for i, (a, b) in enumerate(itertools.pairwise(dims))
+  }
+  x = jnp.asarray(rng.normal(size=(batch_size, FEATURES)), jnp.float32)
+  y = jnp.asarray(rng.integers(0, CLASSES, size=batch_size), jnp.int32)
+  return params, (x, y)
+
+
+def loss_fn(params, batch):
+  x, y = batch
+  h = x
+  for i in range(len(params) - 1):
+    h = jnp.tanh(h @ params[f"w{i}"])
+  logits = h @ params[f"w{len(params) - 1}"]
+  return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+
+def make_step(name: str):
+  """``(params, opt_state, batch) -> (params, opt_state)`` for one contender."""
+  if name == "base":
+    tx = optax.adamw(LR)
+  else:
+    kwargs = {}
+    if name.startswith("k="):
+      kwargs["microbatches"] = int(name.split()[0][2:])
+      kwargs["perturb_each_microbatch"] = name.endswith("each")
+    tx = optax.chain(optax_gsam.gsam(RHO, ALPHA, **kwargs), optax.adamw(LR))
+
+  def step(params, opt_state, batch):
+    if name.startswith("k="):
+      updates, opt_state = tx.update(None, opt_state, params, loss_fn=loss_fn, batch=batch)
+    else:
+      grads = jax.grad(loss_fn)(params, batch)
+      whole_loss = lambda p: loss_fn(p, batch)
+      updates, opt_state = tx.update(grads, opt_state, params, loss_fn=whole_loss)
+    return optax.apply_updates(params, updates), opt_state
+
+  return tx, step
+
+
+def compile_contender(name: str, params, batch) -> tuple[harness.Timed, dict]:
+  tx, step = make_step(name)
+  opt_state = tx.init(params)
+  compiled = jax.jit(step).lower(params, opt_state, batch).compile()
+  stats = harness.hlo_stats(compiled) | {
+    "temp_bytes": compiled.memory_analysis().temp_size_in_bytes
+  }
+  timed = harness.Timed((lambda state: compiled(*state, batch),), (params, opt_state), stats)
+  timed.run(2)  # warm up
+  return timed, stats
+
+
+def measure(batch_size: int, counts: list[int], rounds: int, steps: int) -> dict:
+  params, batch = make_problem(batch_size)
+  names = ["base", "whole", *[f"k={k}" for k in counts], *[f"k={k} each" for k in counts]]
+  timed, stats = {}, {}
+  for name in names:
+    timed[name], stats[name] = compile_contender(name, params, batch)
+  times = harness.interleaved(timed, "whole", rounds=rounds, steps=steps, paired=True)
+  rows = {}
+  for name in names:
+    rows[name] = {
+      "ms": times[name]["ms"],
+      "us_per_example": 1e3 * times[name]["ms"] / batch_size,
+      "time_vs_whole": times[name]["ratio"],
+      "temp_MiB": stats[name]["temp_bytes"] / 2**20,
+    }
+  return rows
+
+
+def table(rows: dict) -> str:
+  cells = [("step", "ms", "us/example", "time / whole", "temp MiB")]
+  for name, row in rows.items():
+    cells.append(
+      (
+        name,
+        f"{row['ms']:.2f}",
+        f"{row['us_per_example']:.3f}",
+        f"{row['time_vs_whole']:.3f}",
+        f"{row['temp_MiB']:.2f}",
+      )
+    )
+  return harness.render_table(cells)
+
+
+def main(argv: list[str] | None = None) -> dict:
+  parser = harness.parser(__doc__)
+  parser.add_argument("--batch", type=int, default=None)
+  parser.add_argument("--rounds", type=int, default=None)
+  args = parser.parse_args(argv)
+  batch_size = args.batch or (512 if args.quick else 2048)
+  counts = [2, 4] if args.quick else [2, 4, 8, 16]
+  rounds = args.rounds or (3 if args.quick else 15)
+  rows = measure(batch_size, counts, rounds, steps=2 if args.quick else 5)
+  print(f"micro-batched GSAM, global batch {batch_size}, tanh MLP {FEATURES}-{WIDTH}-{WIDTH}-10")
+  print(table(rows))
+  checks = []
+  if 4 in counts:
+    ratio = rows["k=4"]["time_vs_whole"]
+    checks.append(harness.check("k=4 time per example / whole <= 1.10", ratio, ratio <= 1.10))
+  mode = "quick" if args.quick else "full"
+  result = {"batch": batch_size, "counts": counts, "rounds": rounds, "rows": rows, "checks": checks}
+  return harness.save("microbatches", mode, result, args.out_dir, argv)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,302 @@
+r"""Ascent directions: where the weights move before the perturbed pass.
+
+An ascent direction is an ``optax.GradientTransformation``, shaped like the
+adversarial optimizer of ``optax.contrib.sam``: its ``update(grads, state,
+params)`` maps a gradient to a perturbation of radius 1, and the sharpness
+stage scales it by :math:`\rho_t`:
+
+.. math::
+
+  (a_t, s_{t+1}) = \text{ascent.update}(g, s_t, w), \qquad \epsilon = \rho_t \, a_t .
+
+SAM's normalized gradient, the adaptive forms of GSAM and ASAM, Friendly-SAM
+and VaSSO are directions here; any optax transformation that ends in a
+normalization is one too (``optax.chain(optax.scale_by_adam(),
+optax_gsam.normalized_ascent())``). The state is carried in
+``GSAMState.ascent_state``, kept on cheap and non-finite steps, and averaged
+over the data axis with per-device perturbation.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from optax_gsam._src.arrays import compute_dtype
+from optax_gsam._src.arrays import upcast
+from optax_gsam._src.perturbation import stable_global_norm
+from optax_gsam._src.validation import check_non_negative
+from optax_gsam._src.validation import check_positive
+from optax_gsam._src.validation import check_unit_interval
+from optax_gsam.typing import Adaptive
+
+
+def _scaled(tree: optax.Updates, scale: jax.Array, like: optax.Params) -> optax.Updates:
+  """``tree * scale`` in at least float32 (``like``'s dtype, promoted): rho multiplies it next."""
+  return jax.tree.map(
+    lambda x, w: (upcast(x) * scale).astype(compute_dtype(jnp.result_type(w))), tree, like
+  )
+
+
+def _unit(direction: optax.Updates, eps: float | jax.Array, like: optax.Params) -> optax.Updates:
+  """:math:`d / (\\|d\\| + \\varepsilon)`, zero for a zero ``d``."""
+  return _scaled(direction, 1.0 / (stable_global_norm(direction) + eps), like)
+
+
+def _zeros_in_compute_dtype(params: optax.Params) -> optax.Updates:
+  return jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), compute_dtype(jnp.result_type(p))), params)
+
+
+def normalized_ascent(eps: float | jax.Array = 1e-12) -> optax.GradientTransformation:
+  r"""SAM's ascent direction: the normalized gradient.
+
+  .. math::
+
+    a = g / (\|g\| + \varepsilon)
+
+  Args:
+    eps: :math:`\varepsilon` > 0, guards the division (a zero gradient gives
+      no perturbation).
+
+  Returns:
+    An ``optax.GradientTransformation`` for ``gsam(..., ascent=...)``, stateless.
+
+  Example:
+    >>> import jax.numpy as jnp, optax_gsam
+    >>> ascent = optax_gsam.normalized_ascent()
+    >>> a, _ = ascent.update(jnp.array([3.0, 4.0]), ascent.init(jnp.zeros(2)), jnp.zeros(2))
+    >>> a
+    Array([0.6, 0.8], dtype=float32)
+
+  References:
+    Foret et al., `Sharpness-Aware Minimization for Efficiently Improving
+    Generalization <https://arxiv.org/abs/2010.01412>`_, ICLR 2021.
+  """
+  check_positive("eps", eps)
+
+  def update_fn(grads, state, params=None):
+    return _unit(grads, eps, grads if params is None else params), state
+
+  return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
+
+
+def adaptive_ascent(kind: Adaptive, eps: float | jax.Array = 1e-12) -> optax.GradientTransformation:
+  r"""The scale-invariant ascent directions of GSAM's paper and of ASAM.
+
+  .. math::
+
+    a = \begin{cases}
+      |w| \odot g / (\|g\| + \varepsilon) & \text{kind="gsam" (GSAM paper, big\_vision)} \\
+      w^2 \odot g / (\| |w| \odot g \| + \varepsilon) & \text{kind="asam" (Kwon et al., 2021)}
+    \end{cases}
+
+  Args:
+    kind: ``"gsam"`` or ``"asam"``.
+    eps: :math:`\varepsilon` > 0.
+
+  Returns:
+    A stateless ``optax.GradientTransformation`` that needs ``params``.
+
+  Example:
+    >>> import jax.numpy as jnp, optax_gsam
+    >>> ascent = optax_gsam.adaptive_ascent("gsam")
+    >>> w = jnp.array([2.0, 0.5])
+    >>> a, _ = ascent.update(jnp.array([3.0, 4.0]), ascent.init(w), w)
+    >>> a
+    Array([1.2, 0.4], dtype=float32)
+
+  References:
+    Kwon et al., `ASAM: Adaptive Sharpness-Aware Minimization
+    <https://arxiv.org/abs/2102.11600>`_, ICML 2021.
+  """
+  if kind not in ("gsam", "asam"):
+    raise ValueError(f"kind must be 'gsam' or 'asam', got {kind!r}.")
+  check_positive("eps", eps)
+
+  def update_fn(grads, state, params=None):
+    if params is None:
+      raise ValueError(f"adaptive_ascent({kind!r}) scales by |w|: pass params to update.")
+    weight = jax.tree.map(lambda w: jnp.abs(upcast(w)), params)
+    scaled = jax.tree.map(lambda g, a: upcast(g) * a, grads, weight)
+    direction = scaled if kind == "asam" else grads  # asam: w^2 g = |w| (|w| g)
+    scale = 1.0 / (stable_global_norm(direction) + eps)
+    return _scaled(jax.tree.map(jnp.multiply, direction, weight), scale, params), state
+
+  return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
+
+
+class FriendlyAscentState(NamedTuple):
+  """State of :func:`friendly_ascent`.
+
+  Attributes:
+    gradient_average: :math:`m_t`, the exponential moving average of the
+      gradients the direction has seen (params-shaped, float32 at least): the
+      estimate of the full-batch gradient that Friendly-SAM removes.
+  """
+
+  gradient_average: optax.Updates
+
+
+def friendly_ascent(
+  sigma: float = 1.0, decay: float = 0.9, *, eps: float = 1e-12
+) -> optax.GradientTransformation:
+  r"""Friendly-SAM's ascent direction: the gradient minus its running full-batch estimate.
+
+  .. math::
+
+    m_t = \lambda m_{t-1} + (1 - \lambda) g_t, \qquad
+    d_t = g_t - \sigma m_t, \qquad
+    a_t = d_t / (\|d_t\| + \varepsilon)
+
+  with :math:`m_0 = 0`. The paper finds that the full-gradient component of
+  SAM's perturbation does not help generalization, and keeps only the
+  batch-specific part. ``sigma=0`` is SAM.
+
+  Args:
+    sigma: :math:`\sigma` >= 0, how much of the estimate is removed.
+    decay: :math:`\lambda` in [0, 1), the moving average's decay.
+    eps: :math:`\varepsilon` > 0.
+
+  Returns:
+    An ``optax.GradientTransformation`` with state :class:`FriendlyAscentState`.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, optax_gsam
+    >>> tx = optax.chain(
+    ...   optax_gsam.sam(0.05, ascent=optax_gsam.friendly_ascent(sigma=1.0, decay=0.9)),
+    ...   optax.sgd(0.1),
+    ... )
+
+  References:
+    Li et al., `Friendly Sharpness-Aware Minimization
+    <https://arxiv.org/abs/2403.12350>`_, CVPR 2024.
+  """
+  check_non_negative("sigma", sigma)
+  check_unit_interval("decay", decay, include_one=False)
+  check_positive("eps", eps)
+
+  def init_fn(params):
+    return FriendlyAscentState(_zeros_in_compute_dtype(params))
+
+  def update_fn(grads, state, params=None):
+    average = jax.tree.map(
+      lambda m, g: decay * m + (1.0 - decay) * g.astype(m.dtype), state.gradient_average, grads
+    )
+    noise = jax.tree.map(lambda g, m: upcast(g) - sigma * m, grads, average)
+    like = grads if params is None else params
+    return _unit(noise, eps, like), FriendlyAscentState(average)
+
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
+class VassoState(NamedTuple):
+  """State of :func:`vasso_ascent`.
+
+  Attributes:
+    smoothed_gradient: :math:`d_t`, the smoothed gradient the perturbation
+      follows (params-shaped, float32 at least).
+  """
+
+  smoothed_gradient: optax.Updates
+
+
+def vasso_ascent(theta: float = 0.4, *, eps: float = 1e-12) -> optax.GradientTransformation:
+  r"""VaSSO's ascent direction: a variance-suppressed (smoothed) gradient.
+
+  .. math::
+
+    d_t = (1 - \theta) d_{t-1} + \theta g_t, \qquad
+    a_t = d_t / (\|d_t\| + \varepsilon)
+
+  with :math:`d_0 = 0`. Averaging over steps lowers the variance of the
+  stochastic ascent direction, which makes the sharpness estimate more stable;
+  the paper reports the gain to be largest under label noise. ``theta=1`` is
+  SAM.
+
+  Args:
+    theta: :math:`\theta` in (0, 1], the weight of the new gradient.
+    eps: :math:`\varepsilon` > 0.
+
+  Returns:
+    An ``optax.GradientTransformation`` with state :class:`VassoState`.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, optax_gsam
+    >>> tx = optax.chain(
+    ...   optax_gsam.sam(0.05, ascent=optax_gsam.vasso_ascent(theta=0.4)), optax.sgd(0.1)
+    ... )
+
+  References:
+    Li and Giannakis, `Enhancing Sharpness-Aware Optimization Through Variance
+    Suppression <https://arxiv.org/abs/2309.15639>`_, NeurIPS 2023.
+  """
+  check_positive("theta", theta)
+  check_unit_interval("theta", theta, include_one=True)
+  check_positive("eps", eps)
+
+  def init_fn(params):
+    return VassoState(_zeros_in_compute_dtype(params))
+
+  def update_fn(grads, state, params=None):
+    smoothed = jax.tree.map(
+      lambda d, g: (1.0 - theta) * d + theta * g.astype(d.dtype), state.smoothed_gradient, grads
+    )
+    return _unit(smoothed, eps, grads if params is None else params), VassoState(smoothed)
+
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
+def ascent_from_adaptive(
+  adaptive: Adaptive, eps: float | jax.Array
+) -> optax.GradientTransformation:
+  """The direction that ``gsam(adaptive=...)`` names."""
+  return normalized_ascent(eps) if adaptive is None else adaptive_ascent(adaptive, eps)
+
+
+MaskOrFn = Any  # a pytree of Python bools (a prefix of params), or params -> such a pytree
+
+
+def check_mask(mask: MaskOrFn) -> None:
+  """A mask is None, a callable, or a pytree whose leaves are Python bools (static)."""
+  if mask is None or callable(mask):
+    return
+  leaves = jax.tree.leaves(mask)
+  bad = [leaf for leaf in leaves if not isinstance(leaf, (bool, np.bool_))]
+  if bad:
+    raise ValueError(
+      "mask must be a pytree of Python bools (True: perturb the leaf) with the structure of "
+      "params or a prefix of it, or a function params -> such a pytree, as optax.masked takes; "
+      f"got a leaf {bad[0]!r}. Arrays are not accepted: the mask decides the program's shape."
+    )
+  if leaves and not any(bool(leaf) for leaf in leaves):
+    raise ValueError("mask selects no leaf: nothing would be perturbed. Use the base optimizer.")
+
+
+def resolve_mask(mask: MaskOrFn, params: optax.Params) -> Any:
+  """The mask as a pytree of bools for these params (None: every leaf)."""
+  if mask is None:
+    return None
+  tree = mask(params) if callable(mask) else mask
+  if callable(mask):
+    check_mask(tree)
+  try:
+    jax.tree.map(lambda selected, subtree: None, tree, params)
+  except ValueError as error:
+    raise ValueError(
+      "mask does not match params: it must have the structure of params, or of a prefix of "
+      f"it, with a bool at each of its leaves ({error})."
+    ) from error
+  return tree
+
+
+def select_leaves(mask_tree: Any, tree: optax.Updates) -> optax.Updates:
+  """``tree`` with every leaf the mask leaves out replaced by zeros (a constant)."""
+  if mask_tree is None:
+    return tree
+  keep = lambda selected, sub: sub if selected else jax.tree.map(jnp.zeros_like, sub)
+  return jax.tree.map(keep, mask_tree, tree)

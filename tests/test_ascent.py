@@ -1,0 +1,185 @@
+"""The ascent stage: every direction, the mask and n ascent steps against float64 references.
+
+The references are written from the papers' formulas in numpy float64, with the
+problem's hand-written gradient; nothing in them goes through the package.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from _ascent_reference import ALPHA
+from _ascent_reference import DIRECTIONS
+from _ascent_reference import LR
+from _ascent_reference import NUM_DEVICES
+from _ascent_reference import RHO
+from _ascent_reference import THETA
+from _ascent_reference import flat
+from _ascent_reference import loss_jax
+from _ascent_reference import make_data
+from _ascent_reference import reference_run
+
+import optax_gsam
+
+
+def run_gsam(params, x, t, num_steps=3, **kwargs):
+  tx = optax.chain(optax_gsam.gsam(RHO, ALPHA, **kwargs), optax.sgd(LR))
+  loss_fn = lambda p: loss_jax(p, jnp.asarray(x), jnp.asarray(t))
+  p, state = jax.tree.map(jnp.asarray, params), tx.init(params)
+  for _ in range(num_steps):
+    updates, state = tx.update(jax.grad(loss_fn)(p), state, p, loss_fn=loss_fn)
+    p = optax.apply_updates(p, updates)
+  return p, state
+
+
+@pytest.mark.parametrize("name", list(DIRECTIONS))
+@pytest.mark.parametrize("steps", [1, 3])
+def test_direction_matches_float64_reference(name, steps):
+  direction, kwargs = DIRECTIONS[name]
+  with jax.enable_x64(True):
+    params, x, t = make_data(1)
+    p, state = run_gsam(params, x, t, ascent_steps=steps, **kwargs)
+    np.testing.assert_allclose(flat(p), reference_run(params, x, t, direction, steps), rtol=1e-11)
+    assert int(state[0].gradient_evaluations) == 3 * steps
+
+
+@pytest.mark.parametrize("name", ["sam", "asam", "friendly"])
+def test_mask_perturbs_only_the_selected_leaves(name):
+  direction, kwargs = DIRECTIONS[name]
+  with jax.enable_x64(True):
+    params, x, t = make_data(2)
+    mask_vec = np.concatenate([np.zeros(3), np.ones(15)])  # "b" left out
+    expected = reference_run(params, x, t, direction, mask=mask_vec)
+    for mask in ({"b": False, "w": True}, lambda p: {"b": False, "w": True}):
+      p, _ = run_gsam(params, x, t, mask=mask, **kwargs)
+      np.testing.assert_allclose(flat(p), expected, rtol=1e-11)
+
+
+@pytest.mark.parametrize("name", ["sam", "friendly", "vasso"])
+def test_per_device_directions_with_a_mask_match_the_reference(name):
+  """Per-device perturbation on 8 devices: each device's own direction, states averaged."""
+  direction, kwargs = DIRECTIONS[name]
+  mesh = jax.make_mesh((NUM_DEVICES,), ("data",))
+  with jax.enable_x64(True):
+    params, x, t = make_data(3)
+    mask = {"b": False, "w": True}
+    tx = optax.chain(
+      optax_gsam.gsam(RHO, ALPHA, axis_name="data", mask=mask, **kwargs), optax.sgd(LR)
+    )
+
+    def step(p, opt_state, batch):
+      loss_fn = lambda q: loss_jax(q, *batch)
+      updates, opt_state = tx.update(jax.grad(loss_fn)(p), opt_state, p, loss_fn=loss_fn)
+      return optax.apply_updates(p, updates), opt_state
+
+    step = optax_gsam.data_parallel(step, mesh)
+    p, state = jax.tree.map(jnp.asarray, params), tx.init(params)
+    for _ in range(3):
+      p, state = step(p, state, (jnp.asarray(x), jnp.asarray(t)))
+    mask_vec = np.concatenate([np.zeros(3), np.ones(15)])
+    expected = reference_run(params, x, t, direction, mask=mask_vec, shards=NUM_DEVICES)
+    np.testing.assert_allclose(flat(p), expected, rtol=1e-10)
+
+
+@pytest.mark.parametrize("mask", [None, {"b": True, "w": False}])
+def test_rho_zero_equals_the_plain_optimizer(mask):
+  params, x, t = make_data(4)
+  params = jax.tree.map(lambda v: jnp.asarray(v, jnp.float32), params)
+  loss_fn = lambda p: loss_jax(p, jnp.asarray(x, jnp.float32), jnp.asarray(t, jnp.float32))
+  plain, sharp = (
+    optax.adam(1e-2),
+    optax.chain(optax_gsam.gsam(0.0, ALPHA, mask=mask), optax.adam(1e-2)),
+  )
+  p_plain, p_sharp = params, params
+  s_plain, s_sharp = plain.init(params), sharp.init(params)
+  for _ in range(3):
+    grads = jax.grad(loss_fn)(p_sharp)
+    u_plain, s_plain = plain.update(grads, s_plain, p_plain)
+    u_sharp, s_sharp = sharp.update(grads, s_sharp, p_sharp, loss_fn=loss_fn)
+    jax.tree.map(np.testing.assert_array_equal, u_sharp, u_plain)
+    p_plain, p_sharp = optax.apply_updates(p_plain, u_plain), optax.apply_updates(p_sharp, u_sharp)
+
+
+def test_direction_state_is_kept_on_cheap_and_non_finite_steps():
+  params, x, t = make_data(5)
+  params = jax.tree.map(lambda v: jnp.asarray(v, jnp.float32), params)
+  loss_fn = lambda p: loss_jax(p, jnp.asarray(x, jnp.float32), jnp.asarray(t, jnp.float32))
+  tx = optax_gsam.sam(RHO, ascent=optax_gsam.vasso_ascent(THETA), perturb_every=2)
+  state = tx.init(params)
+  grads = jax.grad(loss_fn)(params)
+  _, full = tx.update(grads, state, params, loss_fn=loss_fn)  # count 0: full
+  assert not np.allclose(full.ascent_state.smoothed_gradient["w"], 0.0)
+  _, cheap = tx.update(grads, full, params, loss_fn=loss_fn)  # count 1: cheap
+  jax.tree.map(np.testing.assert_array_equal, cheap.ascent_state, full.ascent_state)
+  nan_grads = jax.tree.map(lambda g: g * jnp.nan, grads)
+  _, bad = tx.update(nan_grads, cheap, params, loss_fn=loss_fn)  # count 2: full, not finite
+  jax.tree.map(np.testing.assert_array_equal, bad.ascent_state, full.ascent_state)
+
+
+def test_a_new_direction_is_an_optax_transformation():
+  """Adam-preconditioned ascent (any optax chain that ends in a normalization)."""
+  params, x, t = make_data(6)
+  params = jax.tree.map(lambda v: jnp.asarray(v, jnp.float32), params)
+  ascent = optax.chain(optax.scale_by_adam(), optax_gsam.normalized_ascent())
+  p, state = run_gsam(params, x, t, ascent=ascent)
+  assert int(state[0].ascent_state[0].count) == 3
+  assert np.all(np.isfinite(flat(p)))
+
+
+@pytest.mark.parametrize(
+  "kwargs, match",
+  [
+    (dict(ascent="sam"), "ascent must be an optax.GradientTransformation"),
+    (dict(ascent=optax_gsam.normalized_ascent(), adaptive="gsam"), "adaptive and ascent"),
+    (dict(ascent_steps=0), "ascent_steps"),
+    (dict(mask={"w": jnp.asarray(True)}), "mask must be a pytree of Python bools"),
+    (dict(mask={"b": False, "w": False}), "mask selects no leaf"),
+  ],
+)
+def test_bad_ascent_arguments_are_refused_at_construction(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    optax_gsam.gsam(RHO, **kwargs)
+
+
+@pytest.mark.parametrize(
+  "factory, match",
+  [
+    (lambda: optax_gsam.friendly_ascent(sigma=-1.0), "sigma"),
+    (lambda: optax_gsam.friendly_ascent(decay=1.0), "decay"),
+    (lambda: optax_gsam.vasso_ascent(theta=0.0), "theta"),
+    (lambda: optax_gsam.vasso_ascent(theta=1.5), "theta"),
+    (lambda: optax_gsam.adaptive_ascent("sam"), "kind"),
+  ],
+)
+def test_bad_direction_arguments_are_refused(factory, match):
+  with pytest.raises(ValueError, match=match):
+    factory()
+
+
+def test_mask_that_does_not_match_params_is_named():
+  params, x, t = make_data(7)
+  with pytest.raises(ValueError, match="mask does not match params"):
+    run_gsam(params, x, t, num_steps=1, mask={"w": True, "c": False})
+
+
+def test_optax_masked_around_sam_names_the_mask_argument():
+  params, x, t = make_data(8)
+  tx = optax.chain(optax.masked(optax_gsam.sam(RHO), {"b": False, "w": True}), optax.sgd(LR))
+  loss_fn = functools.partial(loss_jax, x=jnp.asarray(x), t=jnp.asarray(t))
+  with pytest.raises(ValueError, match=r"optax.masked.*mask=mask"):
+    tx.update(jax.grad(loss_fn)(params), tx.init(params), params, loss_fn=loss_fn)
+
+
+def test_an_injected_eps_reaches_the_direction():
+  params, x, t = make_data(9)
+  params = jax.tree.map(lambda v: jnp.asarray(v, jnp.float32), params)
+  loss_fn = lambda p: loss_jax(p, jnp.asarray(x, jnp.float32), jnp.asarray(t, jnp.float32))
+  grads = jax.grad(loss_fn)(params)
+  plain = optax_gsam.gsam(RHO, ALPHA, eps=10.0)
+  injected = optax.inject_hyperparams(optax_gsam.gsam)(rho=RHO, alpha=ALPHA, eps=10.0)
+  expected, _ = plain.update(grads, plain.init(params), params, loss_fn=loss_fn)
+  got, _ = injected.update(grads, injected.init(params), params, loss_fn=loss_fn)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), got, expected)

@@ -1,0 +1,202 @@
+"""Micro-batches: whole-batch (exact accumulation) and per-micro-batch (m-sharpness) semantics.
+
+Both against float64 references from the formulas (tests/_ascent_reference.py),
+on one device and per device under data_parallel; memory from the compiled
+program; and optax.MultiSteps, which cannot be right, refused.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from _ascent_reference import ALPHA
+from _ascent_reference import DIRECTIONS
+from _ascent_reference import LR
+from _ascent_reference import NUM_DEVICES
+from _ascent_reference import RHO
+from _ascent_reference import flat
+from _ascent_reference import loss_jax
+from _ascent_reference import make_data
+from _ascent_reference import reference_run
+
+import optax_gsam
+
+K = 4  # micro-batches
+
+
+def batch_loss(p, batch):
+  return loss_jax(p, *batch)
+
+
+def run(params, x, t, tx, num_steps=3, pass_clean=False, sharded_on=None):
+  """``num_steps`` steps of ``update(None or g_c, ..., loss_fn(p, microbatch), batch=...)``."""
+
+  def step(p, opt_state, batch):
+    clean = jax.grad(batch_loss)(p, batch) if pass_clean else None
+    updates, opt_state = tx.update(clean, opt_state, p, loss_fn=batch_loss, batch=batch)
+    return optax.apply_updates(p, updates), opt_state
+
+  step = jax.jit(step) if sharded_on is None else optax_gsam.data_parallel(step, sharded_on)
+  p, state = jax.tree.map(jnp.asarray, params), tx.init(params)
+  for _ in range(num_steps):
+    p, state = step(p, state, (jnp.asarray(x), jnp.asarray(t)))
+  return p, state
+
+
+def gsam_chain(**kwargs):
+  return optax.chain(optax_gsam.gsam(RHO, ALPHA, **kwargs), optax.sgd(LR))
+
+
+@pytest.mark.parametrize("pass_clean", [False, True])
+@pytest.mark.parametrize("name", ["sam", "friendly"])
+def test_whole_batch_semantics_is_gsam_on_the_whole_batch(pass_clean, name):
+  direction, kwargs = DIRECTIONS[name]
+  with jax.enable_x64(True):
+    params, x, t = make_data(11)
+    p, state = run(params, x, t, gsam_chain(microbatches=K, **kwargs), pass_clean=pass_clean)
+    expected = reference_run(params, x, t, direction, shards=1)
+    np.testing.assert_allclose(flat(p), expected, rtol=1e-12, atol=1e-13)
+    assert int(state[0].gradient_evaluations) == 3 * (1 if pass_clean else 2)
+
+
+def test_per_microbatch_semantics_is_the_mean_of_per_microbatch_gsam():
+  direction, kwargs = DIRECTIONS["vasso"]
+  with jax.enable_x64(True):
+    params, x, t = make_data(12)
+    tx = gsam_chain(microbatches=K, perturb_each_microbatch=True, **kwargs)
+    p, state = run(params, x, t, tx)
+    np.testing.assert_allclose(
+      flat(p), reference_run(params, x, t, direction, shards=K), rtol=1e-11
+    )
+    assert int(state[0].gradient_evaluations) == 3 * 2
+
+
+@pytest.mark.parametrize(
+  "kwargs, shards",
+  [
+    (dict(), NUM_DEVICES),  # per device, each device's micro-batches accumulated
+    (dict(sync_perturbation=True), 1),  # synchronized: the global batch
+    (dict(perturb_each_microbatch=True), NUM_DEVICES * 2),  # every micro-batch of every device
+  ],
+  ids=["per-device", "sync", "per-microbatch"],
+)
+def test_microbatches_under_data_parallel_match_the_reference(kwargs, shards):
+  direction, _ = DIRECTIONS["sam"]
+  mesh = jax.make_mesh((NUM_DEVICES,), ("data",))
+  with jax.enable_x64(True):
+    params, x, t = make_data(13)
+    tx = gsam_chain(microbatches=2, axis_name="data", **kwargs)
+    p, _ = run(params, x, t, tx, sharded_on=mesh)
+    expected = reference_run(params, x, t, direction, shards=shards)
+    np.testing.assert_allclose(flat(p), expected, rtol=1e-10)
+
+
+def test_every_k_and_on_nonfinite_with_microbatches_equal_the_whole_batch_step():
+  with jax.enable_x64(True):
+    params, x, t = make_data(14)
+    options = dict(perturb_every=2, on_nonfinite="clean")
+    p_micro, s_micro = run(params, x, t, gsam_chain(microbatches=K, **options), num_steps=4)
+    whole = gsam_chain(**options)
+
+    @jax.jit
+    def whole_step(p, s):
+      loss_fn = lambda q: loss_jax(q, jnp.asarray(x), jnp.asarray(t))
+      updates, s = whole.update(jax.grad(loss_fn)(p), s, p, loss_fn=loss_fn)
+      return optax.apply_updates(p, updates), s
+
+    p, s = jax.tree.map(jnp.asarray, params), whole.init(params)
+    for _ in range(4):
+      p, s = whole_step(p, s)
+    np.testing.assert_allclose(flat(p_micro), flat(p), rtol=1e-12)
+    assert int(s_micro[0].full_steps) == int(s[0].full_steps) == 2
+
+
+def test_momentum_sam_with_microbatches_is_momentum_sam_on_the_whole_batch():
+  with jax.enable_x64(True):
+    params, x, t = make_data(15)
+    micro = optax.chain(optax_gsam.momentum_sam(RHO, microbatches=K), optax.sgd(LR))
+    p_micro, _ = run(params, x, t, micro)
+    whole = optax.chain(optax_gsam.momentum_sam(RHO), optax.sgd(LR))
+
+    @jax.jit
+    def whole_step(p, s):
+      loss_fn = lambda q: loss_jax(q, jnp.asarray(x), jnp.asarray(t))
+      updates, s = whole.update(optax.tree.zeros_like(p), s, p, loss_fn=loss_fn)
+      return optax.apply_updates(p, updates), s
+
+    p, s = jax.tree.map(jnp.asarray, params), whole.init(params)
+    for _ in range(3):
+      p, s = whole_step(p, s)
+    np.testing.assert_allclose(flat(p_micro), flat(p), rtol=1e-12)
+
+
+def _temp_bytes(num_microbatches, microbatch_size=64, width=256):
+  """Compiled temporary bytes of one micro-batched GSAM step of a tanh MLP."""
+  rng = np.random.default_rng(0)
+  params = {
+    "w1": jnp.asarray(rng.normal(size=(32, width)), jnp.float32),
+    "w2": jnp.asarray(rng.normal(size=(width, 10)), jnp.float32),
+  }
+  n = num_microbatches * microbatch_size
+  batch = (jnp.ones((n, 32)), jnp.ones((n, 10)))
+  loss = lambda p, b: jnp.mean((jnp.tanh(b[0] @ p["w1"]) @ p["w2"] - b[1]) ** 2)
+  tx = optax.chain(optax_gsam.gsam(0.05, 0.3, microbatches=num_microbatches), optax.sgd(0.1))
+
+  def step(p, s, b):
+    updates, s = tx.update(None, s, p, loss_fn=loss, batch=b)
+    return optax.apply_updates(p, updates), s
+
+  compiled = jax.jit(step).lower(params, tx.init(params), batch).compile()
+  return compiled.memory_analysis().temp_size_in_bytes
+
+
+def test_temporary_memory_is_flat_in_the_number_of_microbatches():
+  two, sixteen = _temp_bytes(2), _temp_bytes(16)
+  activations = 16 * 64 * 256 * 4  # what one more copy of 14 micro-batches' hidden layer costs
+  assert sixteen <= 1.05 * two, (two, sixteen)
+  assert sixteen - two < activations / 10
+
+
+def test_multisteps_around_sam_is_refused_with_the_microbatch_api():
+  """optax.MultiSteps would perturb with the accumulated gradient and evaluate the last loss_fn."""
+  params, x, t = jax.tree.map(lambda a: np.asarray(a, np.float32), make_data(16))
+  tx = optax.MultiSteps(optax.chain(optax_gsam.sam(0.05), optax.sgd(0.1)), every_k_schedule=4)
+  state = tx.init(params)
+  loss_fn = lambda p: loss_jax(p, jnp.asarray(x[:8]), jnp.asarray(t[:8]))
+  with pytest.raises(ValueError, match=r"optax.MultiSteps.*microbatches=k"):
+    tx.update(jax.grad(loss_fn)(params), state, params, loss_fn=loss_fn)
+  momentum = optax.MultiSteps(optax_gsam.momentum_sam(0.05), every_k_schedule=2)
+  with pytest.raises(ValueError, match=r"optax\.MultiSteps"):
+    momentum.update(params, momentum.init(params), params, loss_fn=loss_fn)
+
+
+@pytest.mark.parametrize(
+  "call, match",
+  [
+    (lambda tx, s, p, b: tx.update(None, s, p, loss_fn=batch_loss, batch=()), "batch has no"),
+    (
+      lambda tx, s, p, b: tx.update(None, s, p, loss_fn=batch_loss, batch=(b[0][:30], b[1][:30])),
+      "divisible by 4",
+    ),
+  ],
+)
+def test_a_batch_the_microbatches_do_not_divide_is_named(call, match):
+  params, x, t = make_data(17)
+  tx = optax_gsam.gsam(RHO, microbatches=K)
+  with pytest.raises(ValueError, match=match):
+    call(tx, tx.init(params), params, (jnp.asarray(x), jnp.asarray(t)))
+
+
+def test_updates_none_or_batch_without_microbatches_is_refused():
+  params, x, t = make_data(18)
+  tx = optax_gsam.gsam(RHO)
+  loss_fn = lambda p: loss_jax(p, jnp.asarray(x), jnp.asarray(t))
+  with pytest.raises(ValueError, match="updates is None"):
+    tx.update(None, tx.init(params), params, loss_fn=loss_fn)
+  with pytest.raises(ValueError, match=r"batch=.*microbatches=k"):
+    tx.update(params, tx.init(params), params, loss_fn=loss_fn, batch=(x, t))
+  with pytest.raises(ValueError, match="num_groups=G is microbatches=G"):
+    optax_gsam.gsam(RHO, microbatches=2, num_groups=2)
+  with pytest.raises(ValueError, match="perturb_each_microbatch=True needs microbatches"):
+    optax_gsam.gsam(RHO, perturb_each_microbatch=True)
