@@ -38,18 +38,6 @@ CHEAP_CHOICES = ("reuse", "clean")
 DEFAULT_REUSE_WEIGHT = 0.7
 
 
-class _NotGiven(float):
-  """A float default that ``gsam`` tells apart from the same value passed explicitly.
-
-  It keeps ``reuse_weight`` annotated ``optax.ScalarOrSchedule`` (the annotation
-  by which optax's common tests find schedule arguments) while ``policy=`` with
-  an explicit ``reuse_weight=0.7`` is still refused.
-  """
-
-
-REUSE_WEIGHT_NOT_GIVEN = _NotGiven(DEFAULT_REUSE_WEIGHT)
-
-
 class SharpnessPolicy(NamedTuple):
   """When :func:`optax_gsam.gsam` takes the full step, and what its cheap step does.
 
@@ -350,11 +338,8 @@ def policy_from_arguments(
 ) -> SharpnessPolicy:
   """The policy of gsam's arguments: ``policy=``, or the shorthand ``perturb_every``/``reuse_weight``.
 
-  ``reuse_weight`` is not given when it is :data:`REUSE_WEIGHT_NOT_GIVEN` (gsam's
-  default) or ``None``: 0.7 for ``perturb_every``.
+  ``reuse_weight=None`` means not given (0.7 for ``perturb_every``).
   """
-  if isinstance(reuse_weight, _NotGiven):
-    reuse_weight = None
   if reuse_weight is not None:
     check_non_negative("reuse_weight", reuse_weight, allow_schedule=True)
   if policy is None:

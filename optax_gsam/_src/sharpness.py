@@ -25,7 +25,6 @@ from optax_gsam._src.microbatch import accumulated
 from optax_gsam._src.microbatch import microbatch_fns
 from optax_gsam._src.placement import check_not_masked
 from optax_gsam._src.placement import check_placement
-from optax_gsam._src.policies import REUSE_WEIGHT_NOT_GIVEN
 from optax_gsam._src.policies import SharpnessPolicy
 from optax_gsam._src.policies import keep_unless_counted
 from optax_gsam._src.policies import policy_from_arguments
@@ -318,7 +317,9 @@ def gsam(
   axis_name: AxisName = None,
   num_groups: int | None = None,
   perturb_every: int | None = None,
-  reuse_weight: optax.ScalarOrSchedule = REUSE_WEIGHT_NOT_GIVEN,
+  # Annotated as optax's common tests look for schedule arguments; None is "not given", which
+  # optax.inject_hyperparams leaves static (a numeric default would be injected and "given").
+  reuse_weight: optax.ScalarOrSchedule = None,
   policy: SharpnessPolicy | None = None,
   on_nonfinite: str = "propagate",
   check_axis: bool = True,
@@ -479,7 +480,7 @@ def gsam(
     perturb_every: shorthand for ``policy=every_k_policy(perturb_every,
       reuse_weight=reuse_weight)`` (``None`` or 1: every step). A static int.
     reuse_weight: :math:`\lambda` of ``perturb_every``, a float >= 0 or a
-      schedule (0.7 when not given).
+      schedule; ``None`` (not given) is 0.7.
     policy: when to take the full step (see above); ``None`` is
       :func:`optax_gsam.every_step_policy`. Not together with
       ``perturb_every``/``reuse_weight``.
@@ -599,7 +600,9 @@ def sam(
   axis_name: AxisName = None,
   num_groups: int | None = None,
   perturb_every: int | None = None,
-  reuse_weight: optax.ScalarOrSchedule = REUSE_WEIGHT_NOT_GIVEN,
+  # Annotated as optax's common tests look for schedule arguments; None is "not given", which
+  # optax.inject_hyperparams leaves static (a numeric default would be injected and "given").
+  reuse_weight: optax.ScalarOrSchedule = None,
   policy: SharpnessPolicy | None = None,
   on_nonfinite: str = "propagate",
   check_axis: bool = True,
