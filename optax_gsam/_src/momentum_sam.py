@@ -54,16 +54,29 @@ class MomentumSAMState(NamedTuple):
   fallback_count: jax.Array
 
 
-def _initial_state(params: optax.Params) -> MomentumSAMState:
-  params = numbers_as_arrays(params)
-  check_params_leaves(params)
-  return MomentumSAMState(  # One buffer per field, so that the state can be donated.
-    count=jnp.zeros([], jnp.int32),
-    last_rho=jnp.zeros([], jnp.float32),
-    perturbed_loss=jnp.zeros([], jnp.float32),
-    # Accumulated in float32 at least: bfloat16 would lose the sum's small terms.
-    momentum=jax.tree.map(lambda p: jnp.zeros(p.shape, compute_dtype(p.dtype)), params),
-    fallback_count=jnp.zeros([], jnp.int32),
+def _whole_batch_grad_fn(loss_fn, value_and_grad_fn, microbatches, batch) -> Callable:
+  """The user's function, accumulated over micro-batches where ``microbatches`` is set."""
+  grad_fn = value_and_grad_from(loss_fn, value_and_grad_fn)
+  if microbatches is not None:
+    return accumulated(microbatch_fns(grad_fn, batch, microbatches), microbatches)
+  if batch is not None:
+    raise ValueError("update() got batch=, which momentum_sam reads only with microbatches=k.")
+  return grad_fn
+
+
+def _next_state(state, grads, loss, rho_t, rho_ok, momentum) -> MomentumSAMState:
+  """A non-finite gradient does not count and leaves the momentum as it was."""
+  finite = step.all_finite(grads)
+  momentum_next = jax.tree.map(
+    lambda v, g: jnp.where(finite, momentum * v + g.astype(v.dtype), v), state.momentum, grads
+  )
+  increment = lambda count, flag: jnp.where(flag, optax.safe_increment(count), count)
+  return MomentumSAMState(
+    count=increment(state.count, finite),
+    last_rho=rho_t.astype(jnp.float32),
+    perturbed_loss=loss,
+    momentum=momentum_next,
+    fallback_count=increment(state.fallback_count, finite & ~rho_ok),
   )
 
 
@@ -145,6 +158,18 @@ def momentum_sam(
   if not isinstance(check_axis, bool):
     raise ValueError(f"check_axis must be a bool, got {check_axis!r}.")
 
+  def init_fn(params: optax.Params) -> MomentumSAMState:
+    params = numbers_as_arrays(params)
+    check_params_leaves(params)
+    return MomentumSAMState(  # One buffer per field, so that the state can be donated.
+      count=jnp.zeros([], jnp.int32),
+      last_rho=jnp.zeros([], jnp.float32),
+      perturbed_loss=jnp.zeros([], jnp.float32),
+      # Accumulated in float32 at least: bfloat16 would lose the sum's small terms.
+      momentum=jax.tree.map(lambda p: jnp.zeros(p.shape, compute_dtype(p.dtype)), params),
+      fallback_count=jnp.zeros([], jnp.int32),
+    )
+
   def update_fn(
     updates: optax.Updates | None,
     state: MomentumSAMState,
@@ -161,11 +186,7 @@ def momentum_sam(
     check_update_inputs(params if updates is None else updates, params, state.momentum)
     if check_axis:
       check_data_axis_is_set(axis_name)
-    grad_fn = value_and_grad_from(loss_fn, value_and_grad_fn)
-    if microbatches is not None:
-      grad_fn = accumulated(microbatch_fns(grad_fn, batch, microbatches), microbatches)
-    elif batch is not None:
-      raise ValueError("update() got batch=, which momentum_sam reads only with microbatches=k.")
+    grad_fn = _whole_batch_grad_fn(loss_fn, value_and_grad_fn, microbatches, batch)
     rho_t = value_at(rho, state.count)
     rho_ok = jnp.isfinite(rho_t) & (rho_t >= 0)  # else the clean gradient, counted
     safe_rho = jnp.where(rho_ok, rho_t, jnp.zeros_like(rho_t))
@@ -176,18 +197,6 @@ def momentum_sam(
     if axis_name is not None:
       grads, loss = step.pmean((grads, loss), axis_name)
     grads = optax.tree.cast_like(grads, params if updates is None else updates)
-    finite = step.all_finite(grads)
-    momentum_next = jax.tree.map(
-      lambda v, g: jnp.where(finite, momentum * v + g.astype(v.dtype), v), state.momentum, grads
-    )
-    increment = lambda count, flag: jnp.where(flag, optax.safe_increment(count), count)
-    new_state = MomentumSAMState(
-      count=increment(state.count, finite),
-      last_rho=rho_t.astype(jnp.float32),
-      perturbed_loss=loss,
-      momentum=momentum_next,
-      fallback_count=increment(state.fallback_count, finite & ~rho_ok),
-    )
-    return grads, new_state
+    return grads, _next_state(state, grads, loss, rho_t, rho_ok, momentum)
 
-  return optax.GradientTransformationExtraArgs(_initial_state, update_fn)
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)

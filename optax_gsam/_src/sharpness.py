@@ -306,6 +306,44 @@ def _validated(settings: step.Settings) -> step.Settings:
   return settings
 
 
+def _update_fn(settings: step.Settings, rho: optax.ScalarOrSchedule, check_axis: bool) -> Callable:
+  """The ``update`` of :func:`gsam`: checks, then the stages of :mod:`optax_gsam._src.step`."""
+
+  def update_fn(
+    updates: optax.Updates | None,
+    state: GSAMState,
+    params: optax.Params | None = None,
+    *,
+    loss_fn: Callable | None = None,
+    value_and_grad_fn: Callable | None = None,
+    value: jax.Array | None = None,
+    perturb: bool | None = None,
+    batch: Any = None,
+    **extra_args: Any,
+  ) -> tuple[optax.Updates, GSAMState]:
+    check_placement("gsam/sam")
+    params = numbers_as_arrays(params)
+    _check_update(updates, state, params, perturb, extra_args, settings, check_axis, batch)
+    hyper = step.hyperparams_at(rho, settings.policy, state.count, settings.alpha)
+    context = step.StepContext(
+      settings,
+      hyper,
+      state.policy_state,
+      state.count,
+      state.stored_direction,
+      state.diagnostics,
+      state.ascent_state,
+    )
+    grad_fn = value_and_grad_from(loss_fn, value_and_grad_fn)
+    clean_loss = scalar_loss(value) if value is not None else None
+    outcome, policy_state, evaluations = _run_stages(
+      context, updates, params, grad_fn, clean_loss, perturb, batch
+    )
+    return outcome.gradient, _next_state(state, hyper, outcome, policy_state, evaluations)
+
+  return update_fn
+
+
 def gsam(
   rho: optax.ScalarOrSchedule,
   alpha: float | jax.Array = 0.0,
@@ -554,41 +592,9 @@ def gsam(
     )
   )
 
-  init_fn = functools.partial(_initial_state, settings)
-
-  def update_fn(
-    updates: optax.Updates | None,
-    state: GSAMState,
-    params: optax.Params | None = None,
-    *,
-    loss_fn: Callable | None = None,
-    value_and_grad_fn: Callable | None = None,
-    value: jax.Array | None = None,
-    perturb: bool | None = None,
-    batch: Any = None,
-    **extra_args: Any,
-  ) -> tuple[optax.Updates, GSAMState]:
-    check_placement("gsam/sam")
-    params = numbers_as_arrays(params)
-    _check_update(updates, state, params, perturb, extra_args, settings, check_axis, batch)
-    hyper = step.hyperparams_at(rho, policy, state.count, alpha)
-    context = step.StepContext(
-      settings,
-      hyper,
-      state.policy_state,
-      state.count,
-      state.stored_direction,
-      state.diagnostics,
-      state.ascent_state,
-    )
-    grad_fn = value_and_grad_from(loss_fn, value_and_grad_fn)
-    clean_loss = scalar_loss(value) if value is not None else None
-    outcome, policy_state, evaluations = _run_stages(
-      context, updates, params, grad_fn, clean_loss, perturb, batch
-    )
-    return outcome.gradient, _next_state(state, hyper, outcome, policy_state, evaluations)
-
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  return optax.GradientTransformationExtraArgs(
+    functools.partial(_initial_state, settings), _update_fn(settings, rho, check_axis)
+  )
 
 
 def sam(
