@@ -1,4 +1,4 @@
-"""What the benchmark scripts share: contenders, vmapped training, tuning, timing and results.
+"""What the benchmark scripts share: contenders, vmapped training, tuning and timing.
 
 A script imports it as ``import harness``: running ``python benchmarks/<script>.py`` puts
 the script's folder on ``sys.path``, and pytest adds the folder through ``pythonpath``.
@@ -6,20 +6,13 @@ the script's folder on ``sys.path``, and pytest adds the folder through ``python
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
-import json
-import os
-import platform
 import random
 import re
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 from typing import Literal
 
@@ -28,52 +21,24 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from reporting import RESULTS_DIR as RESULTS_DIR  # re-exported: scripts call harness.save & co.
+from reporting import check as check
+from reporting import code_version as code_version
+from reporting import figure as figure
+from reporting import machine as machine
+from reporting import mean_std as mean_std
+from reporting import parser as parser
+from reporting import render_table as render_table
+from reporting import save as save
+from reporting import save_figure as save_figure
 
 import optax_gsam
 from optax_gsam import demo
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
 WEIGHT_DECAY = 1e-4
 # rho_min / rho_max of big_vision's ViT GSAM config (0.1 / 0.6, docs/big_vision_migration.md).
 PAPER_RHO_MIN_RATIO = 0.1 / 0.6
 cross_entropy = demo.cross_entropy
-
-
-# ----------------------------------------------------------------------------- provenance
-
-
-def code_version() -> dict[str, Any]:
-  """The optax_gsam commit measured, and whether its package sources differ from it."""
-  root = Path(optax_gsam.__file__).resolve().parents[1]
-  try:
-    git = lambda *a: subprocess.run(
-      ["git", "-C", str(root), *a], capture_output=True, text=True, check=True
-    ).stdout.strip()
-    return {
-      "commit": git("rev-parse", "HEAD"),
-      "dirty": bool(git("status", "--porcelain", "optax_gsam")),
-    }
-  except (OSError, subprocess.CalledProcessError):
-    return {"commit": os.environ.get("OPTAX_GSAM_COMMIT", "unknown"), "dirty": None}
-
-
-def machine() -> dict[str, str]:
-  """Where the numbers were measured."""
-  cpu = platform.processor() or "unknown"
-  try:
-    with open("/proc/cpuinfo") as f:
-      models = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
-    cpu = models[0] if models else cpu
-  except OSError:
-    pass
-  return {
-    "nproc": str(os.cpu_count()),
-    "cpu": cpu,
-    "jax": jax.__version__,
-    "optax": optax.__version__,
-    "backend": jax.default_backend(),
-    "device": jax.devices()[0].device_kind,
-  }
 
 
 # ----------------------------------------------------------------------------- contenders
@@ -564,88 +529,3 @@ def interleaved(
     }
     for name in timed
   }
-
-
-# ----------------------------------------------------------------------------- results
-
-
-def mean_std(values: Sequence[float], scale: float = 1.0, digits: int = 2) -> str:
-  """``"mean ± std"`` of ``values`` times ``scale``."""
-  values = scale * np.asarray(values, np.float64)
-  return f"{values.mean():.{digits}f} ± {values.std():.{digits}f}"
-
-
-def render_table(cells: list[tuple[str, ...]]) -> str:
-  """Left-aligned columns with a dashed rule under the first (header) row."""
-  widths = [max(len(row[i]) for row in cells) for i in range(len(cells[0]))]
-  lines = [
-    "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in cells
-  ]
-  lines.insert(1, "  ".join("-" * w for w in widths))
-  return "\n".join(lines)
-
-
-def check(target: str, value: float | str, met: bool) -> dict:
-  """One target's verdict; printed as ``target: value -> met``."""
-  shown = f"{value:.3f}" if isinstance(value, float) else value
-  print(f"{target}: {shown} -> {'met' if met else 'MISSED'}")
-  return {"target": target, "value": value, "met": bool(met)}
-
-
-def parser(description: str, contenders: Sequence[str] = ()) -> argparse.ArgumentParser:
-  """The flags every benchmark takes: ``--quick``, ``--out-dir``, ``--no-plot`` (and ``--contenders``)."""
-  out = argparse.ArgumentParser(description=description.splitlines()[0])
-  out.add_argument("--quick", action="store_true", help="a short run (see the script's docstring)")
-  out.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
-  out.add_argument("--no-plot", action="store_true")
-  if contenders:
-    out.add_argument("--contenders", nargs="*", default=None, help=f"subset of {list(contenders)}")
-  return out
-
-
-def save(
-  name: str,
-  mode: str,
-  result: dict,
-  out_dir: Path,
-  argv: Sequence[str] | None,
-  plot: Callable[[Path], None] | None = None,
-  suffix: str = "",
-) -> dict:
-  """Adds the command, machine and code to ``result``; writes ``<name>[_<mode>]<suffix>.json``.
-
-  ``plot(path)``, when given, draws the PNG of the same name.
-  """
-  argv = sys.argv[1:] if argv is None else argv
-  result = {
-    "benchmark": name,
-    "mode": mode,
-    "command": " ".join(["python", f"benchmarks/{name}.py", *argv]),
-    "machine": machine(),
-    "code": code_version(),
-    **result,
-  }
-  stem = (name if mode == "full" else f"{name}_{mode}") + suffix
-  out_dir.mkdir(parents=True, exist_ok=True)
-  (out_dir / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
-  if plot is not None:
-    plot(out_dir / f"{stem}.png")
-  return result
-
-
-def figure(*args, **kwargs) -> tuple[Any, Any]:
-  """``plt.subplots`` on the Agg backend (no display needed)."""
-  import matplotlib
-
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
-  return plt.subplots(*args, **kwargs)
-
-
-def save_figure(fig: Any, path: Path) -> None:
-  import matplotlib.pyplot as plt
-
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)

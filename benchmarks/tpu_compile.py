@@ -46,7 +46,6 @@ import dataclasses
 import json
 import os
 import pathlib
-import re
 import sys
 import time
 from collections.abc import Callable
@@ -58,23 +57,27 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
 os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
+from compiled_hlo import HBM_BYTES  # the benchmarks folder is on sys.path when a script runs
+from compiled_hlo import analyse
+from compiled_hlo import collectives as collectives  # re-exported for the tests
+from compiled_hlo import out_of_memory
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from jax.sharding import SingleDeviceSharding
+from reporting import code_version
+from reporting import render_table
+from tpu_vit import VIT_B32
+from tpu_vit import VIT_QUICK
+from tpu_vit import ViT
+from tpu_vit import ViTConfig
 
 import optax_gsam
 
-from harness import code_version  # the benchmarks folder is on sys.path when a script runs
-from harness import render_table
-
 AXIS = "data"
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
-HBM_BYTES = 16 * 2**30  # per TPU v3 core
 MAX_PROBE_BATCH = 2**20  # --max-batch stops growing here, should nothing ever fail
 GiB = 2**30
 DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16}
@@ -83,66 +86,9 @@ TOPOLOGIES = {
   "v3-8": ("v3:2x2", (2, 2, 1), "v3-8"),
   "v3-64": ("v3:4x8", (2, 2, 1), "v3-64"),
 }
-ELEMENT_BYTES = {
-  "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2,
-  "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8,
-}  # fmt: skip
-COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
 
 
-# ----------------------------------------------------------------------------- model
-
-
-@dataclasses.dataclass(frozen=True)
-class ViTConfig:
-  patch: int
-  width: int
-  depth: int
-  heads: int
-  mlp: int
-  image: int
-  classes: int
-
-
-VIT_B32 = ViTConfig(patch=32, width=768, depth=12, heads=12, mlp=3072, image=224, classes=1000)
-VIT_QUICK = ViTConfig(patch=8, width=64, depth=1, heads=2, mlp=256, image=32, classes=10)
 QUICK_CONTENDERS = ("adamw", "gsam", "gsam sync", "plain gsam")
-
-
-class Block(nn.Module):
-  """Pre-LayerNorm encoder block: multi-head self-attention and a GELU MLP."""
-
-  config: ViTConfig
-  dtype: Any
-
-  @nn.compact
-  def __call__(self, x):
-    c = self.config
-    y = nn.LayerNorm(dtype=self.dtype)(x)
-    x = x + nn.MultiHeadDotProductAttention(num_heads=c.heads, dtype=self.dtype)(y, y)
-    y = nn.LayerNorm(dtype=self.dtype)(x)
-    y = nn.Dense(c.width, dtype=self.dtype)(nn.gelu(nn.Dense(c.mlp, dtype=self.dtype)(y)))
-    return x + y
-
-
-class ViT(nn.Module):
-  """Vision Transformer: patch embedding, learned positions, encoder, GAP head."""
-
-  config: ViTConfig
-  dtype: Any = jnp.float32
-
-  @nn.compact
-  def __call__(self, images):
-    c = self.config
-    x = nn.Conv(c.width, (c.patch, c.patch), strides=c.patch, padding="VALID", dtype=self.dtype)(
-      images
-    )
-    x = x.reshape(x.shape[0], -1, c.width)
-    x = x + self.param("pos", nn.initializers.normal(0.02), (1, x.shape[1], c.width))
-    for _ in range(c.depth):
-      x = Block(c, self.dtype)(x)
-    x = nn.LayerNorm(dtype=self.dtype)(x).mean(axis=1)
-    return nn.Dense(c.classes, dtype=self.dtype)(x).astype(jnp.float32)
 
 
 # ----------------------------------------------------------------------------- contenders
@@ -302,101 +248,6 @@ def compile_step(mesh, config: ViTConfig, dtype, contender: Contender, per_core:
   compiled = lowered.compile()
   param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
   return compiled, int(param_bytes), time.perf_counter() - start
-
-
-def _shape_bytes(shape_text: str) -> int:
-  total = 0
-  for dtype, dims in re.findall(r"\b([a-z]+\d*)\[([\d,]*)\]", shape_text):
-    if dtype in ELEMENT_BYTES:
-      total += ELEMENT_BYTES[dtype] * int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
-  return total
-
-
-_INSTRUCTION = re.compile(
-  r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.+?)\s+(" + "|".join(COLLECTIVES) + r")(-start)?\(", re.M
-)
-
-
-def _top_level(shape_text: str) -> list[str]:
-  """The elements of a tuple shape (the shape itself if it is not a tuple)."""
-  text = shape_text.strip()
-  if not text.startswith("("):
-    return [text]
-  parts, depth, current = [], 0, ""
-  for ch in text[1:-1]:
-    depth += {"(": 1, ")": -1, "{": 1, "}": -1}.get(ch, 0)
-    if ch == "," and depth == 0:
-      parts.append(current)
-      current = ""
-    else:
-      current += ch
-  return [*parts, current]
-
-
-def collectives(hlo_text: str) -> dict[str, dict[str, int]]:
-  """Collective ops in compiled HLO text, by kind: count and bytes of their results.
-
-  An async op counts at its ``-start``. Except for all-reduce, whose result is
-  its reduced operands, a ``-start`` returns ``(operands, results, ...)``, and
-  only the results count. Both branches of a conditional are counted.
-  """
-  found: dict[str, dict[str, int]] = {}
-  for shape, kind, start in _INSTRUCTION.findall(hlo_text):
-    parts = _top_level(shape)
-    nbytes = _shape_bytes(parts[1] if start and kind != "all-reduce" else shape)
-    entry = found.setdefault(kind, {"count": 0, "bytes": 0})
-    entry["count"] += 1
-    entry["bytes"] += nbytes
-  return found
-
-
-_CONDITIONAL = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.+?)\s+conditional\(", re.M)
-
-
-def conditionals(hlo_text: str) -> list[dict[str, int]]:
-  """Each ``conditional`` in compiled HLO: the bytes of its result tuple.
-
-  (Its operands are printed by name only, so their bytes are not read here.)
-  """
-  return [{"result_bytes": _shape_bytes(shape)} for shape in _CONDITIONAL.findall(hlo_text)]
-
-
-def analyse(compiled) -> dict[str, Any]:
-  """The per-core figures the TPU compiler gives for one compiled step."""
-  memory = compiled.memory_analysis()
-  cost = compiled.cost_analysis()
-  cost = cost[0] if isinstance(cost, list | tuple) else cost
-  fields = ("argument", "output", "alias", "temp", "generated_code")
-  row = {f"{f}_bytes": int(getattr(memory, f"{f}_size_in_bytes")) for f in fields}
-  row["peak_bytes"] = (
-    row["argument_bytes"]
-    + row["output_bytes"]
-    - row["alias_bytes"]
-    + row["temp_bytes"]
-    + row["generated_code_bytes"]
-  )
-  row["fits_16GiB"] = row["peak_bytes"] <= HBM_BYTES
-  row["flops"] = float(cost.get("flops", float("nan")))
-  row["bytes_accessed"] = float(cost.get("bytes accessed", float("nan")))
-  row["optimal_seconds"] = float(cost.get("optimal_seconds", float("nan")))
-  hlo = compiled.as_text()
-  row["collectives"] = collectives(hlo)
-  row["conditionals"] = conditionals(hlo)
-  return row
-
-
-def out_of_memory(error: Exception) -> dict[str, Any] | None:
-  """The TPU compiler's refusal of a program too large for HBM, or None for other errors."""
-  text = str(error)
-  if "RESOURCE_EXHAUSTED" not in text and "Ran out of memory" not in text:
-    return None
-  used = re.search(r"\(([\d.]+)([KMGT])\) exceeds available HBM \(([\d.]+)([KMGT])\)", text)
-  scale = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
-  found = {"error": text.strip().splitlines()[0][:300]}
-  if used:
-    found["used_bytes"] = int(float(used[1]) * scale[used[2]])
-    found["hbm_limit_bytes"] = int(float(used[3]) * scale[used[4]])
-  return found
 
 
 def probe_batch(mesh, config, dtype, contender, per_core) -> dict[str, Any]:

@@ -57,7 +57,9 @@ _MISSING_LOSS_IN_APPLY_GRADIENTS = (
   "state.apply_gradients(grads=grads, loss_fn=loss_fn, value=loss), where loss_fn(params) "
   "closes over the batch (and the dropout key, batch_stats) of the clean pass. In Flax's "
   "two-function form, where apply_model computes the gradients and update_model(state, grads) "
-  "applies them, return loss_fn from apply_model or call apply_gradients there (docs/flax.md)."
+  "applies them, call state.apply_gradients(grads=grads, loss_fn=loss_fn, value=loss) inside "
+  "apply_model and return the new state (a jitted apply_model cannot return loss_fn, a Python "
+  "function; docs/flax.md)."
 )
 
 
@@ -208,20 +210,34 @@ def _is_nnx_node(value: Any) -> bool:
 
 
 _SNAPSHOT_AFTER_CLEAN_PASS = (
-  "optax_gsam.flax.nnx_loss_fn was called after the clean pass: the loss advances RNG "
-  "counters or batch statistics, and they had not changed between the snapshot and this "
-  "update, so the snapshot holds the state the clean pass left behind (or the clean pass did "
-  "not run on the model itself, whose state then never advances). The perturbed pass "
-  "would draw the next dropout masks and normalize with the updated statistics, which is "
-  "not GSAM's step (at a tiny rho it is not the plain step). Call nnx_loss_fn before "
-  "nnx.value_and_grad: perturbed_loss = nnx_loss_fn(loss_fn, model, *args), then the clean "
-  "pass, then optimizer.update(model, grads, loss_fn=perturbed_loss, value=loss)."
+  "optax_gsam.flax.nnx_loss_fn was called after the clean pass: the loss changes {changed}, "
+  "and they had not changed between the snapshot and this update, so the snapshot holds the "
+  "state the clean pass left behind (or the clean pass did not run on the model itself, "
+  "whose state then never advances). The perturbed pass would start from that state (the "
+  "next dropout masks, the updated statistics or counters), which is not GSAM's step (at a "
+  "tiny rho it is not the plain step). Call nnx_loss_fn before nnx.value_and_grad: "
+  "perturbed_loss = nnx_loss_fn(loss_fn, model, *args), then the clean pass, then "
+  "optimizer.update(model, grads, loss_fn=perturbed_loss, value=loss)."
 )
 
 
 def _non_param_leaves(objects: Any, is_param: Callable[..., bool]) -> list[Any]:
   _, _, *rest = nnx.split(objects, is_param, ...)
   return jax.tree.leaves(nnx.as_pure(rest[0]))
+
+
+def _non_param_names(objects: Any, is_param: Callable[..., bool]) -> list[str]:
+  """'path (VariableType)' for each leaf of :func:`_non_param_leaves`, in the same order."""
+  _, _, *rest = nnx.split(objects, is_param, ...)
+  is_variable = lambda x: isinstance(x, nnx.Variable)
+  flat = jax.tree_util.tree_flatten_with_path(rest[0], is_leaf=is_variable)[0]
+
+  def name(path: tuple) -> str:  # objects is (model, [NNX arguments]): name the object first
+    if getattr(path[0], "key", None) == 0:
+      return "model" + jax.tree_util.keystr(tuple(path[1:]))
+    return "the NNX argument" + jax.tree_util.keystr(tuple(path[1:]))
+
+  return [f"{name(path)} ({type(v).__name__})" for path, v in flat]
 
 
 def _check_snapshot_precedes_clean_pass(
@@ -246,7 +262,9 @@ def _check_snapshot_precedes_clean_pass(
     return
   mutated = [i for i, leaf in enumerate(after) if leaf is not before[i]]
   if mutated and all(now[i] is before[i] for i in mutated):
-    raise ValueError(_SNAPSHOT_AFTER_CLEAN_PASS)
+    names = _non_param_names(copies, is_param)
+    changed = "state" if len(names) != len(after) else ", ".join(names[i] for i in mutated)
+    raise ValueError(_SNAPSHOT_AFTER_CLEAN_PASS.format(changed=changed))
 
 
 def nnx_loss_fn(
@@ -301,8 +319,10 @@ def nnx_loss_fn(
     TypeError: when ``loss_fn`` is not callable or ``model`` is not an NNX
       object (a params pytree, say).
     ValueError: from the returned function, at trace time, when the snapshot
-      was taken after the clean pass: the loss mutates RNG counters or batch
-      statistics, and the model still holds the snapshot's values there.
+      was taken after the clean pass: the loss mutates state that is not a
+      parameter (RNG counters, batch statistics, a variable of your own), and
+      the model still holds the snapshot's values there. The message names
+      each such variable by path and type.
 
   Example:
     >>> import jax.numpy as jnp, optax, optax_gsam

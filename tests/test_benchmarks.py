@@ -82,7 +82,7 @@ def test_accelerator_script_refuses_the_cpu_and_plans_every_benchmark(tmp_path):
   plan = accelerator.plan(tmp_path, quick=True)
   assert set(plan) == {"step_cost", "generalization", "gradient_cache"}
   for name, args in plan.items():
-    source = (BENCHMARKS / f"{name}.py").read_text() + (BENCHMARKS / "harness.py").read_text()
+    source = "".join((BENCHMARKS / f"{module}.py").read_text() for module in (name, "reporting"))
     for flag in (a for a in args if a.startswith("--")):
       assert f'"{flag}"' in source, (name, flag)  # each script accepts what it is given
 

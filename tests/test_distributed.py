@@ -237,6 +237,8 @@ def test_unbound_or_wrong_axis_name_is_a_clear_error(mesh):
 
 
 def test_helper_argument_errors():
+  with pytest.raises(ValueError, match=r"mesh must be a jax.sharding.Mesh.*got 'cpu'"):
+    optax_gsam.data_parallel(lambda *a: a, "cpu", axis_name="data")
   with pytest.raises(ValueError, match="num_devices"):
     optax_gsam.emulate_devices(lambda *a: a, 0)
   with pytest.raises(ValueError, match="not divisible"):

@@ -742,6 +742,8 @@ def test_two_function_form_without_loss_fn_points_to_apply_gradients():
   with pytest.raises(ValueError, match=r"apply_gradients\(grads=grads, loss_fn=loss_fn") as error:
     update_model(state, grads)
   assert "update_model(state, grads)" in str(error.value)
+  assert "inside apply_model" in str(error.value)
+  assert "return loss_fn from" not in str(error.value)  # a jitted apply_model cannot
   assert "use optax_gsam.flax.TrainState instead" not in str(error.value)
 
 
@@ -757,6 +759,31 @@ def test_nnx_loss_fn_called_after_the_clean_pass_raises():
   linear_optimizer = nnx.Optimizer(linear, TX_GSAM, wrt=nnx.Param)
   nnx_gsam_step_split_late(linear, linear_optimizer, x, y)
   assert int(linear_optimizer.step[...]) == 1
+
+
+class CallCounter(nnx.Variable):
+  """A user variable that is neither an RNG counter nor a batch statistic."""
+
+
+class CountingLinear(nnx.Module):
+  def __init__(self):
+    self.linear = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
+    self.calls = CallCounter(jnp.zeros((), jnp.int32))
+
+  def __call__(self, x):
+    self.calls.value += 1
+    return self.linear(x)
+
+
+def test_nnx_loss_fn_after_the_clean_pass_names_the_variable_that_changed():
+  x, y = data()
+  model = CountingLinear()
+  optimizer = nnx.Optimizer(model, TX_GSAM, wrt=nnx.Param)
+  with pytest.raises(
+    ValueError, match=r"the loss changes model\['calls'\] \(CallCounter\), and"
+  ) as error:
+    nnx_gsam_step_split_late(model, optimizer, x, y)
+  assert "RNG counters or batch statistics" not in str(error.value)
 
 
 # --- rho_from_lr inside a trace: Flax's abstract restore -------------------------------------

@@ -1,6 +1,7 @@
 """Cheap-step policies against references written from their formulas (numpy, float64)."""
 
 import functools
+import inspect
 
 import jax
 import jax.numpy as jnp
@@ -411,3 +412,82 @@ def test_cheap_steps_with_extreme_gradients_stay_finite():
     for _ in range(3):  # full, cheap, full
       updates, state = update(state, jnp.float32(scale))
       assert all_finite((updates, state)), scale
+
+
+@pytest.mark.parametrize(
+  "policy",
+  [
+    optax_gsam.random_policy(0.3, key=jax.random.key(0)),
+    optax_gsam.gradient_norm_policy(-0.5),
+    optax_gsam.every_k_policy(3),
+  ],
+  ids=lambda policy: policy.name,
+)
+def test_a_step_that_does_not_count_leaves_the_policy_state_as_it_was(policy):
+  # A NaN clean gradient does not count; the run after it is the one that never saw it.
+  w = jnp.array([1.0, -0.5])
+  loss_fn = lambda q: jnp.sum(q**2) + jnp.sum(jnp.sin(3 * q))
+  tx = optax_gsam.sam(0.05, policy=policy)
+  update = jax.jit(lambda g, s: tx.update(g, s, w, loss_fn=loss_fn))
+
+  def full_steps_after(state):
+    counts = []
+    for t in range(8):
+      _, state = update(jax.grad(loss_fn)(w) * (1.0 + 0.5 * np.sin(t)), state)
+      counts.append(int(state.full_steps))
+    return counts
+
+  state = tx.init(w)
+  _, after_nan = update(jnp.array([jnp.nan, 1.0]), state)
+  assert int(after_nan.count) == 0
+  jax.tree.map(np.testing.assert_array_equal, after_nan.policy_state, state.policy_state)
+  assert full_steps_after(after_nan) == full_steps_after(state)
+
+
+@pytest.mark.parametrize("threshold", [0.0, -0.5])
+def test_gradient_norm_statistics_survive_a_spike_and_full_steps_resume(threshold):
+  # ||g|| = 1e11 once: s_t = 1e22, whose square (the variance's scale) overflows float32.
+  decay, steps, spike = 0.5, 100, 4
+  scales = [(1e11 if t == spike else 1.0) * (1.0 + 0.3 * np.sin(t)) for t in range(steps)]
+  due_at = ae_sam_decisions(lambda t: threshold, decay)  # float64 reference
+  base = np.array([0.6, -0.8])
+  expected = [due_at(t, scale * base) for t, scale in enumerate(scales)]
+  assert expected[-20:].count(True) > 0  # the reference resumes full steps
+
+  policy = optax_gsam.gradient_norm_policy(threshold, decay=decay)
+  tx = optax_gsam.sam(0.05, policy=policy)
+  w = jnp.zeros(2)
+  value_and_grad_fn = lambda q: (jnp.sum(q**2), 2 * q)
+  update = jax.jit(lambda g, s: tx.update(g, s, w, value_and_grad_fn=value_and_grad_fn))
+  state, decisions = tx.init(w), []
+  for scale in scales:
+    before = int(state.full_steps)
+    _, state = update(jnp.asarray(scale * base, jnp.float32), state)
+    decisions.append(int(state.full_steps) > before)
+  assert all_finite(state.policy_state)
+  assert decisions == expected
+
+
+def test_arguments_annotated_as_schedules_take_schedules():
+  # optax's common tests pass a schedule to an argument annotated optax.ScalarOrSchedule.
+  for factory in (optax_gsam.gsam, optax_gsam.sam):
+    parameters = inspect.signature(factory, eval_str=True).parameters.items()
+    names = [n for n, p in parameters if p.annotation == optax.ScalarOrSchedule]
+    assert names == ["rho", "reuse_weight"], factory.__name__
+  factory = optax_gsam.gsam  # sam is gsam with alpha=0
+  p, loss_fn = float32_problem(seed=5)
+  values = {"rho": 0.05, "reuse_weight": 0.4}
+
+  def run(**arguments):
+    tx = optax.chain(factory(**arguments, perturb_every=2), optax.sgd(LR))
+    step = jax.jit(lambda q, s: tx.update(jax.grad(loss_fn)(q), s, q, loss_fn=loss_fn))
+    q, state = p, tx.init(p)
+    for _ in range(4):
+      updates, state = step(q, state)
+      q = optax.apply_updates(q, updates)
+    return q
+
+  with_floats = run(**values)
+  for name in names:
+    scheduled = dict(values, **{name: optax.constant_schedule(values[name])})
+    jax.tree.map(np.testing.assert_array_equal, run(**scheduled), with_floats)

@@ -71,6 +71,44 @@ def test_gsam_with_complex_params_matches_the_real_formulas(minimize_fp):
   )
 
 
+def _complex_problem():
+  """f(z) = |A z - b|^2 + 0.1 sum |z|^4 on C^2, and its steepest-ascent direction, by hand.
+
+  Over the pairs (x, y) of z = x + iy, f rises fastest along
+  df/dx + i df/dy = 2 A^H (A z - b) + 0.4 |z|^2 z.
+  """
+  a = np.array([[1.0, 0.3 - 0.5j], [0.2j, 2.0]])
+  b = np.array([1 + 2j, -1.0])
+  loss = lambda z: jnp.sum(jnp.abs(a @ z - b) ** 2) + 0.1 * jnp.sum(jnp.abs(z) ** 4)
+  ascent = lambda z: 2 * a.conj().T @ (a @ z - b) + 0.4 * np.abs(z) ** 2 * z
+  return loss, ascent
+
+
+@pytest.mark.parametrize("route", ["loss_fn", "value_and_grad_fn"])
+@pytest.mark.parametrize("minimize_fp", [True, False])
+def test_complex_params_follow_optax_convention_along_both_routes(route, minimize_fp):
+  # optax's convention: the optimizer gets conj(jax.grad), the steepest-ascent direction.
+  loss, ascent = _complex_problem()
+  w = np.array([0.5 - 0.2j, 0.1 + 0.3j])
+  c = ascent(w)
+  p = ascent(w + RHO * c / np.linalg.norm(c))
+  if minimize_fp:
+    expected = p - ALPHA * (c - _real_dot(c, p) / np.vdot(p, p).real * p)
+  else:
+    expected = c + ALPHA * (p - _real_dot(p, c) / np.vdot(c, c).real * c)
+  with jax.enable_x64(True):
+    z = jnp.asarray(w, jnp.complex128)
+    clean = jnp.conj(jax.grad(loss)(z))
+    np.testing.assert_allclose(clean, c, rtol=1e-12)  # JAX's grad is the conjugate of c
+    if route == "loss_fn":
+      functions = {"loss_fn": loss}
+    else:
+      functions = {"value_and_grad_fn": lambda q: (loss(q), jnp.conj(jax.grad(loss)(q)))}
+    tx = optax_gsam.gsam(RHO, ALPHA, minimize_fp=minimize_fp)
+    out, _ = tx.update(clean, tx.init(z), z, **functions)
+  np.testing.assert_allclose(out, expected, rtol=1e-10)
+
+
 # --- a rho schedule that returns NaN or a negative value never stalls training -----------------
 
 
@@ -146,6 +184,40 @@ def test_an_integer_params_leaf_is_named_with_the_fix(make_tx):
     tx.update(grads, tx.init(params), params, loss_fn=lambda p: jnp.sum(p["w"] ** 2))
 
 
+@pytest.mark.parametrize(
+  "make_tx",
+  [
+    lambda: optax_gsam.gsam(RHO, ALPHA),
+    lambda: optax_gsam.sam(RHO, perturb_every=2),
+    lambda: optax_gsam.momentum_sam(RHO),
+  ],
+  ids=["gsam", "sam_every_2", "momentum_sam"],
+)
+def test_python_float_params_leaves_work_like_0d_arrays(make_tx):
+  loss_fn = lambda p: p["scale"] * jnp.sum(jnp.sin(p["w"]) ** 2) + p["scale"] ** 2
+  numbers = {"scale": 0.3, "w": jnp.array([0.5, -1.0])}
+  arrays = {"scale": jnp.asarray(0.3), "w": numbers["w"]}
+  tx = optax.chain(make_tx(), optax.sgd(LR))
+  runs = []
+  for params in (numbers, arrays):
+    state = tx.init(params)
+    for _ in range(2):
+      updates, state = tx.update(jax.grad(loss_fn)(params), state, params, loss_fn=loss_fn)
+      params = optax.apply_updates(params, updates)
+    runs.append(params)
+  jax.tree.map(np.testing.assert_array_equal, runs[0], runs[1])
+
+
+def test_a_python_int_params_leaf_is_named_at_init_and_update():
+  params = {"w": jnp.ones(3), "n": 3}
+  tx = optax_gsam.momentum_sam(RHO, 0.9)
+  with pytest.raises(ValueError, match=r"params\['n'\].*eqx.partition"):
+    tx.init(params)
+  tx = optax_gsam.gsam(RHO)
+  with pytest.raises(ValueError, match=r"params\['n'\].*eqx.partition"):
+    tx.update(params, tx.init(params), params, loss_fn=lambda p: jnp.sum(p["w"]))
+
+
 def test_a_structure_mismatch_names_the_leaves():
   params = {"w": jnp.ones(3), "b": jnp.ones(())}
   tx = optax_gsam.gsam(RHO)
@@ -198,6 +270,11 @@ def test_random_policy_state_with_a_typed_key_round_trips_through_flax_serializa
 @pytest.mark.parametrize("minimize_fp", [True, False])
 def test_gsam_at_rho_zero_outputs_the_clean_gradient_bitwise(rho, minimize_fp):
   w, loss_fn = _quadratic()
+  alone = optax_gsam.gsam(rho, ALPHA, minimize_fp=minimize_fp)
+  grads = jax.grad(loss_fn)(w)
+  out, _ = jax.jit(lambda g: alone.update(g, alone.init(w), w, loss_fn=loss_fn))(grads)
+  np.testing.assert_array_equal(out, grads)  # under jit too: the input itself, selected
+  # Fed the same clean gradients, the chain takes the base optimizer's steps bitwise.
   gsam = optax.chain(optax_gsam.gsam(rho, ALPHA, minimize_fp=minimize_fp), optax.adam(LR))
   plain = optax.adam(LR)
   a, b = w, w
@@ -222,8 +299,29 @@ def test_per_device_gsam_at_rho_zero_is_the_averaged_clean_gradient(data_mesh):
     local = lambda q: jnp.mean(jnp.sin(xb @ q) ** 2)
     return tx.update(jax.grad(local)(w), state, w, loss_fn=local)
 
-  run = optax_gsam.data_parallel(step, data_mesh, batch_argnums=(2,), out_specs=(P(), P()))
-  out, _ = run(w0, tx.init(w0), x)
+  def step_and_mean(w, state, xb):
+    local = lambda q: jnp.mean(jnp.sin(xb @ q) ** 2)
+    out, _ = step(w, state, xb)
+    return out, jax.lax.pmean(jax.grad(local)(w), "data")
+
+  run = optax_gsam.data_parallel(step_and_mean, data_mesh, batch_argnums=(2,), out_specs=(P(), P()))
+  out, mean = run(w0, tx.init(w0), x)
+  np.testing.assert_array_equal(out, mean)  # bitwise the pmean of the clean gradients
   shards = x.reshape(8, 2, 3)
   local_grads = [jax.grad(lambda q, s=s: jnp.mean(jnp.sin(s @ q) ** 2))(w0) for s in shards]
-  np.testing.assert_allclose(out, np.mean(local_grads, axis=0), rtol=1e-6)
+  np.testing.assert_allclose(out, np.mean(local_grads, axis=0), rtol=1e-6)  # and the maths
+
+
+# --- a traced alpha is checked where it is used, like a traced rho -----------------------------
+
+
+@pytest.mark.parametrize("bad_alpha", [-0.3, jnp.nan])
+def test_a_traced_unusable_alpha_outputs_the_clean_gradient(bad_alpha):
+  w, loss_fn = _quadratic()
+  tx = optax.inject_hyperparams(optax_gsam.gsam)(rho=RHO, alpha=ALPHA)
+  state = tx.init(w)
+  state.hyperparams["alpha"] = jnp.asarray(bad_alpha)  # under jit: traced, unchecked at build
+  grads = jax.grad(loss_fn)(w)
+  out, state = jax.jit(lambda g, s: tx.update(g, s, w, loss_fn=loss_fn))(grads, state)
+  np.testing.assert_array_equal(out, grads)
+  assert int(state.inner_state.fallback_count) == 1 and int(state.inner_state.count) == 1

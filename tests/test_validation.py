@@ -39,6 +39,14 @@ GSAM = {
     lambda: optax_gsam.gsam(jnp.asarray(0.1), alpha=jnp.asarray(-0.5)),
     r"alpha must be a finite number >= 0, got Array\(-0.5",
   ),
+  "gsam_rho_complex_array": (  # its real part would be read silently
+    lambda: optax_gsam.gsam(jnp.asarray(0.05 + 1j)),
+    r"rho must be a finite number >= 0, a scalar array or a schedule, got Array\(0.05\+1.j",
+  ),
+  "gsam_alpha_complex_array": (
+    lambda: optax_gsam.gsam(0.05, jnp.asarray(0.3 + 0j)),
+    r"alpha must be a finite number >= 0 or a scalar array, got Array",
+  ),
   "gsam_eps_concrete_zero_array": (
     lambda: optax_gsam.gsam(0.1, eps=jnp.asarray(0.0)),
     r"eps must be a finite number > 0",
@@ -115,6 +123,14 @@ POLICIES = {
     "probability",
   ),
   "key": (lambda: optax_gsam.random_policy(0.5, key=0), "key must be"),
+  "key_float_array": (  # JAX's "invalid PRNG key data" came only at update
+    lambda: optax_gsam.random_policy(0.5, key=jnp.zeros(2)),
+    r"key must be one PRNG key.*dtype float32, shape \(2,\), not a key",
+  ),
+  "key_batch_of_keys": (
+    lambda: optax_gsam.random_policy(0.5, key=jax.random.split(jax.random.key(0))),
+    r"key must be one PRNG key.*\(2,\) keys",
+  ),
   "skip": (lambda: optax_gsam.every_step_policy(skip_zero_rho=1), "skip_zero_rho"),
   "policy_type": (lambda: optax_gsam.gsam(0.1, policy="every_5"), "policy must be"),
   "policy_and_perturb_every": (
@@ -132,6 +148,14 @@ POLICIES = {
 }
 
 MOMENTUM_SAM = {
+  "momentum_sam_rho_complex_array": (
+    lambda: optax_gsam.momentum_sam(jnp.asarray(0.05 + 0j)),
+    r"rho must be a finite number >= 0",
+  ),
+  "momentum_sam_momentum_complex_array": (
+    lambda: optax_gsam.momentum_sam(0.05, momentum=jnp.asarray(0.5 + 0j)),
+    r"momentum must be a float in \[0, 1\)",
+  ),
   "momentum_sam_momentum_concrete_array": (
     lambda: optax_gsam.momentum_sam(0.1, momentum=jnp.asarray(1.0)),
     r"momentum must be a float in \[0, 1\)",

@@ -35,6 +35,17 @@ def upcast(x: Any) -> jax.Array:
   return x.astype(compute_dtype(x.dtype))
 
 
+def numbers_as_arrays(tree: Any) -> Any:
+  """``tree`` with its Python int, float and complex leaves as (weakly typed) arrays.
+
+  A params pytree may hold plain numbers (``{"scale": 0.3, "w": w}``), which
+  JAX differentiates like 0-d arrays; the transforms read ``.dtype`` and
+  ``.shape`` of every leaf.
+  """
+  is_number = lambda x: isinstance(x, (int, float, complex)) and not isinstance(x, bool)
+  return jax.tree.map(lambda x: jnp.asarray(x) if is_number(x) else x, tree)
+
+
 def split_rows(tree: Any, size: int) -> tuple[Any, Any]:
   """Every leaf's rows as ``([n, size, ...] blocks or None, the remaining rows or None)``.
 

@@ -29,6 +29,14 @@ def _check_argnums(name: str, argnums: Sequence[int]) -> tuple[int, ...]:
   return argnums
 
 
+def _check_mesh(mesh: Any) -> None:
+  if not isinstance(mesh, Mesh):
+    raise ValueError(
+      f"mesh must be a jax.sharding.Mesh, e.g. jax.make_mesh((jax.device_count(),), ('data',)); "
+      f"got {mesh!r}."
+    )
+
+
 def _placer(mesh: Mesh, axis_name: Hashable) -> Callable[[Any, NamedSharding], Any]:
   """How to place an input inside ``jit``: by the type of the mesh axis it is split over.
 
@@ -107,6 +115,7 @@ def data_parallel(
     >>> batch = jnp.ones((8 * jax.device_count(), 3))
     >>> w, opt_state, loss = train_step(w, tx.init(w), batch)
   """
+  _check_mesh(mesh)
   if axis_name not in mesh.axis_names:
     raise ValueError(f"axis_name={axis_name!r} is not an axis of the mesh {mesh.axis_names}.")
   batch_argnums = _check_argnums("batch_argnums", batch_argnums)

@@ -13,6 +13,7 @@ import optax
 from optax_gsam._src import perturbation as pert
 from optax_gsam._src import step
 from optax_gsam._src.arrays import compute_dtype
+from optax_gsam._src.arrays import numbers_as_arrays
 from optax_gsam._src.microbatch import accumulated
 from optax_gsam._src.microbatch import microbatch_fns
 from optax_gsam._src.placement import check_placement
@@ -23,6 +24,7 @@ from optax_gsam._src.user_functions import value_and_grad_from
 from optax_gsam._src.validation import check_axis_name
 from optax_gsam._src.validation import check_data_axis_is_set
 from optax_gsam._src.validation import check_non_negative
+from optax_gsam._src.validation import check_params_leaves
 from optax_gsam._src.validation import check_positive
 from optax_gsam._src.validation import check_positive_int
 from optax_gsam._src.validation import check_unit_interval
@@ -157,6 +159,8 @@ def momentum_sam(
     raise ValueError(f"check_axis must be a bool, got {check_axis!r}.")
 
   def init_fn(params: optax.Params) -> MomentumSAMState:
+    params = numbers_as_arrays(params)
+    check_params_leaves(params)
     return MomentumSAMState(  # One buffer per field, so that the state can be donated.
       count=jnp.zeros([], jnp.int32),
       last_rho=jnp.zeros([], jnp.float32),
@@ -178,6 +182,7 @@ def momentum_sam(
   ) -> tuple[optax.Updates, MomentumSAMState]:
     check_placement("momentum_sam")
     check_extra_args(extra_args, known=("loss_fn", "value_and_grad_fn", "batch"))
+    params = numbers_as_arrays(params)
     check_update_inputs(params if updates is None else updates, params, state.momentum)
     if check_axis:
       check_data_axis_is_set(axis_name)

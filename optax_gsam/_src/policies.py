@@ -17,6 +17,7 @@ nothing), so "SAM only late in training" is a rho schedule that starts at 0.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 from typing import NamedTuple
@@ -31,6 +32,7 @@ from optax_gsam._src.schedules import value_at
 from optax_gsam._src.validation import check_non_negative
 from optax_gsam._src.validation import check_positive
 from optax_gsam._src.validation import check_positive_int
+from optax_gsam._src.validation import check_prng_key
 from optax_gsam._src.validation import check_unit_interval
 from optax_gsam._src.validation import is_real_number
 from optax_gsam.typing import DecideFn
@@ -88,10 +90,18 @@ class SharpnessPolicy(NamedTuple):
 
 
 class GradientNormState(NamedTuple):
-  """Running statistics of :math:`\\|g_c\\|^2` kept by :func:`gradient_norm_policy`."""
+  """Running statistics of :math:`s_t = \\|g_c\\|^2` kept by :func:`gradient_norm_policy`.
+
+  Attributes:
+    mean: :math:`\\mu_t`, the moving mean of :math:`s_t`.
+    std: :math:`\\sigma_t`, the square root of the moving variance. It is kept
+      rather than :math:`\\sigma_t^2`, which is of the order of
+      :math:`\\|g_c\\|^4` and would overflow float32 at a gradient norm of
+      about :math:`10^{10}`.
+  """
 
   mean: jax.Array
-  variance: jax.Array
+  std: jax.Array
 
 
 class RandomPolicyState(NamedTuple):
@@ -272,7 +282,9 @@ def gradient_norm_policy(
   region. The paper raises :math:`c_t` linearly from -1 to 1 over training
   (``threshold=optax.linear_schedule(-1.0, 1.0, num_steps)``), so SAM is used
   often early and rarely late. A non-finite :math:`s_t` leaves the statistics
-  unchanged. ``cheap="reuse"`` gives AE-LookSAM.
+  unchanged. The state keeps :math:`\sigma_t` (as a ``hypot``), so a gradient
+  spike cannot overflow it; :math:`\mu_t` forgets a spike by a factor
+  :math:`\delta` a step. ``cheap="reuse"`` gives AE-LookSAM.
 
   Args:
     threshold: :math:`c_t`, a float or a schedule.
@@ -299,16 +311,17 @@ def gradient_norm_policy(
 
   def init():
     # Separate buffers, so that a donated state never holds one twice.
-    return GradientNormState(mean=jnp.zeros([], jnp.float32), variance=jnp.zeros([], jnp.float32))
+    return GradientNormState(mean=jnp.zeros([], jnp.float32), std=jnp.zeros([], jnp.float32))
 
   def decide(state, count, grad_sq_norm):
     signal = grad_sq_norm.astype(jnp.float32)
     mean = decay * state.mean + (1 - decay) * signal
-    variance = decay * state.variance + (1 - decay) * (signal - mean) ** 2
-    due = signal >= mean + value_at(threshold, count) * jnp.sqrt(variance)
-    finite = jnp.isfinite(signal)
+    # sigma_t^2 = decay sigma_{t-1}^2 + (1 - decay)(s_t - mu_t)^2, as a hypot: no square overflows.
+    std = jnp.hypot(math.sqrt(decay) * state.std, math.sqrt(1 - decay) * (signal - mean))
+    due = signal >= mean + value_at(threshold, count) * std
+    finite = jnp.isfinite(signal) & jnp.isfinite(mean) & jnp.isfinite(std)
     new_state = GradientNormState(
-      mean=jnp.where(finite, mean, state.mean), variance=jnp.where(finite, variance, state.variance)
+      mean=jnp.where(finite, mean, state.mean), std=jnp.where(finite, std, state.std)
     )
     return due, new_state
 
@@ -356,8 +369,7 @@ def random_policy(
   """
   if not callable(probability):
     check_unit_interval("probability", probability, include_one=True)
-  if not isinstance(key, jax.Array):
-    raise ValueError(f"key must be a jax PRNG key (jax.random.key(seed)), got {key!r}.")
+  check_prng_key("key", key)
   _check_cheap(cheap, reuse_weight)
 
   typed = jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
@@ -377,6 +389,17 @@ def random_policy(
     cheap=cheap,
     reuse_weight=reuse_weight,
   )
+
+
+def keep_unless_counted(counted: jax.Array, new_state: Any, old_state: Any) -> Any:
+  """The policy's new state where the step counted, else the old one.
+
+  A step whose output is not finite does not count (``GSAMState.count`` stays),
+  so it leaves the policy's state as it was too: a random policy does not
+  spend a draw on it, and running statistics do not absorb it. The run after
+  such a step is the one that never saw it.
+  """
+  return jax.tree.map(lambda new, old: jnp.where(counted, new, old), new_state, old_state)
 
 
 def policy_from_arguments(

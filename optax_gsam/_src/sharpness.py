@@ -19,12 +19,14 @@ import optax
 
 from optax_gsam._src import perturbation as pert
 from optax_gsam._src import step
+from optax_gsam._src.arrays import numbers_as_arrays
 from optax_gsam._src.ascent import check_mask
 from optax_gsam._src.microbatch import accumulated
 from optax_gsam._src.microbatch import microbatch_fns
 from optax_gsam._src.placement import check_not_masked
 from optax_gsam._src.placement import check_placement
 from optax_gsam._src.policies import SharpnessPolicy
+from optax_gsam._src.policies import keep_unless_counted
 from optax_gsam._src.policies import policy_from_arguments
 from optax_gsam._src.user_functions import check_extra_args
 from optax_gsam._src.user_functions import scalar_loss
@@ -137,7 +139,7 @@ def _next_state(
     ),
     fallback_count=increment(state.fallback_count, outcome.fell_back),
     gradient_evaluations=state.gradient_evaluations + evaluated,
-    policy_state=policy_state,
+    policy_state=keep_unless_counted(counts, policy_state, state.policy_state),
     stored_direction=step.keep_learned(outcome, outcome.stored_direction, state.stored_direction),
     ascent_state=step.keep_learned(outcome, outcome.ascent_state, state.ascent_state),
   )
@@ -320,8 +322,9 @@ def _update_fn(settings: step.Settings, rho: optax.ScalarOrSchedule, check_axis:
     **extra_args: Any,
   ) -> tuple[optax.Updates, GSAMState]:
     check_placement("gsam/sam")
+    params = numbers_as_arrays(params)
     _check_update(updates, state, params, perturb, extra_args, settings, check_axis, batch)
-    hyper = step.hyperparams_at(rho, settings.policy, state.count)
+    hyper = step.hyperparams_at(rho, settings.policy, state.count, settings.alpha)
     context = step.StepContext(
       settings,
       hyper,
@@ -352,7 +355,9 @@ def gsam(
   axis_name: AxisName = None,
   num_groups: int | None = None,
   perturb_every: int | None = None,
-  reuse_weight: optax.ScalarOrSchedule | None = None,
+  # Annotated as optax's common tests look for schedule arguments; None is "not given", which
+  # optax.inject_hyperparams leaves static (a numeric default would be injected and "given").
+  reuse_weight: optax.ScalarOrSchedule = None,
   policy: SharpnessPolicy | None = None,
   on_nonfinite: str = "propagate",
   check_axis: bool = True,
@@ -484,7 +489,9 @@ def gsam(
   step is NaN, infinite or negative makes that step output the clean gradient,
   whatever ``on_nonfinite`` says; the step counts (so the schedule moves on),
   ``GSAMState.fallback_count`` counts it and ``GSAMState.rho`` shows the
-  value. A float rho is checked when the transform is built.
+  value. An injected alpha that is traced (``inject_hyperparams`` under
+  ``jit``) is treated alike. A float rho or alpha, or a concrete array, is
+  checked when the transform is built.
 
   Under ``optax.inject_hyperparams(optax_gsam.gsam)``, rho, alpha, eps and
   reuse_weight become injectable; static options (``perturb_every``,
@@ -599,7 +606,9 @@ def sam(
   axis_name: AxisName = None,
   num_groups: int | None = None,
   perturb_every: int | None = None,
-  reuse_weight: optax.ScalarOrSchedule | None = None,
+  # Annotated as optax's common tests look for schedule arguments; None is "not given", which
+  # optax.inject_hyperparams leaves static (a numeric default would be injected and "given").
+  reuse_weight: optax.ScalarOrSchedule = None,
   policy: SharpnessPolicy | None = None,
   on_nonfinite: str = "propagate",
   check_axis: bool = True,

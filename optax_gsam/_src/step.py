@@ -39,6 +39,7 @@ from optax_gsam._src.policies import SharpnessPolicy
 from optax_gsam._src.schedules import value_at
 from optax_gsam._src.user_functions import ValueAndGradFn
 from optax_gsam._src.user_functions import scalar_loss
+from optax_gsam._src.validation import finite_non_negative
 from optax_gsam._src.validation import is_real_number
 from optax_gsam.typing import Adaptive
 from optax_gsam.typing import AxisName
@@ -90,7 +91,7 @@ class Hyperparams(NamedTuple):
 
   rho: jax.Array  # rho_t as given, for the state
   safe_rho: jax.Array  # rho_t where it is a finite number >= 0, else 0
-  rho_ok: bool | jax.Array  # rho_t is a finite number >= 0
+  rho_ok: bool | jax.Array  # rho_t (and an injected alpha) are finite numbers >= 0
   rho_positive: bool | jax.Array
   reuse_weight: jax.Array | None  # only for policies that store a direction
 
@@ -159,16 +160,23 @@ def all_finite(tree: Any) -> jax.Array:
 
 
 def hyperparams_at(
-  rho: optax.ScalarOrSchedule, policy: SharpnessPolicy, count: jax.Array
+  rho: optax.ScalarOrSchedule,
+  policy: SharpnessPolicy,
+  count: jax.Array,
+  alpha: float | jax.Array = 0.0,
 ) -> Hyperparams:
-  """Stage 1: rho_t, whether it is usable, and the reuse weight (0 where no full step would run)."""
+  """Stage 1: rho_t, whether it is usable, and the reuse weight (0 where no full step would run).
+
+  A traced ``alpha`` (injected) is checked here like rho_t: where it is not a
+  finite number >= 0, rho_ok is False and the step outputs the clean gradient.
+  """
   rho_t = value_at(rho, count)
   rho_ok: bool | jax.Array
   rho_positive: bool | jax.Array
-  if is_real_number(rho):  # Validated at construction: decided while tracing.
+  if is_real_number(rho) and is_real_number(alpha):  # Validated at construction.
     rho_ok, rho_positive, safe_rho = True, bool(rho > 0), rho_t
   else:  # A schedule (or an injected array) can give anything; see fall_back_to_clean.
-    rho_ok = jnp.isfinite(rho_t) & (rho_t >= 0)
+    rho_ok = finite_non_negative(rho_t) & finite_non_negative(alpha)
     rho_positive = rho_ok & (rho_t > 0)
     safe_rho = jnp.where(rho_ok, rho_t, jnp.zeros_like(rho_t))
   weight = None

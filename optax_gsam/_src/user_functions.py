@@ -54,8 +54,10 @@ def value_and_grad_from(
   ``loss_fn`` may return a scalar or ``(loss, aux)`` (a tuple or list, as Flax
   and big_vision losses do): the first element is differentiated and the whole
   output is returned as the value. Its loss must be a real scalar that depends
-  on the argument (:func:`check_loss`, :func:`dependence_marker`).
-  ``value_and_grad_fn`` is called as it is: it computes its own gradient.
+  on the argument (:func:`check_loss`, :func:`dependence_marker`); the gradient
+  of a complex leaf is returned as the steepest-ascent direction
+  (:func:`steepest_ascent`). ``value_and_grad_fn`` is called as it is: it
+  computes its own gradient, in that convention.
   """
   if (loss_fn is None) == (value_and_grad_fn is None):
     error = MissingLossFunctionError if loss_fn is None else ValueError
@@ -83,9 +85,24 @@ def value_and_grad_from(
     (_, output), grads = jax.value_and_grad(loss_and_output, has_aux=True)(params, *args)
     if not reached and has_float_leaves(params):
       raise ValueError(IGNORED_ARGUMENT)
-    return output, grads
+    return output, steepest_ascent(grads)
 
   return value_and_grad
+
+
+def steepest_ascent(grads: optax.Updates) -> optax.Updates:
+  r"""JAX's gradient of a real loss with its complex leaves conjugated.
+
+  For a real :math:`f` of :math:`z = x + iy`, ``jax.grad`` returns
+  :math:`\partial f/\partial x - i\,\partial f/\partial y`, the conjugate of
+  the direction :math:`\partial f/\partial x + i\,\partial f/\partial y` in
+  which :math:`f` rises fastest over the pairs :math:`(x, y)`. gsam/sam add
+  :math:`\rho g / \|g\|` to the params, so the gradients they read and output
+  follow optax's convention for complex params (conjugate between ``jax.grad``
+  and ``update``; see ``optax.contrib.split_real_and_imaginary``): the
+  steepest-ascent direction. Real leaves are returned as they are.
+  """
+  return jax.tree.map(lambda g: jnp.conj(g) if jnp.iscomplexobj(g) else g, grads)
 
 
 def dependence_marker() -> tuple[Callable[[jax.Array], jax.Array], list]:

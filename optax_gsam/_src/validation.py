@@ -16,19 +16,23 @@ def is_real_number(value) -> bool:
 
 
 def is_scalar_array(value) -> bool:
-  """A 0-d numeric array (concrete or traced), as ``optax.inject_hyperparams`` passes."""
+  """A 0-d real numeric array (concrete or traced), as ``optax.inject_hyperparams`` passes.
+
+  Complex arrays are not: a complex radius or weight has no meaning, and
+  reading only its real part would hide the mistake.
+  """
   shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
   if shape is None or dtype is None or tuple(shape) != ():
     return False
-  return bool(jnp.issubdtype(dtype, jnp.number)) and not jnp.issubdtype(dtype, jnp.bool_)
+  return bool(jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.floating))
 
 
 def _concrete_value(value) -> float | None:
   """The value of a concrete scalar array; None for a tracer (checked where it is used)."""
-  if isinstance(value, jax.core.Tracer) or jnp.iscomplexobj(value):
+  if isinstance(value, jax.core.Tracer):
     return None
   try:
-    return float(jnp.real(value))
+    return float(value)
   except jax.errors.ConcretizationTypeError:  # traced inside a cond (optax.apply_if_finite)
     return None
 
@@ -62,6 +66,16 @@ def check_non_negative(
     raise ValueError(f"{name} must be a finite number {bound}, got {value!r}.")
 
 
+def finite_non_negative(value) -> jax.Array:
+  """Whether a (possibly traced) hyperparameter is a finite number >= 0, as a bool array.
+
+  What :func:`check_non_negative` checks at construction, for values only known
+  inside the step (schedules, injected hyperparameters).
+  """
+  value = jnp.asarray(value)
+  return jnp.isfinite(value) & (value >= 0)
+
+
 def check_positive(name: str, value) -> None:
   """Raises a ValueError naming ``name`` unless ``value`` is a finite number > 0 (or a 0-d array)."""
   check_non_negative(name, value, bound="> 0")
@@ -91,6 +105,21 @@ def check_positive_int(name: str, value, *, allow_none: bool = False) -> None:
     raise ValueError(f"{name} must be {allowed}, got {value!r}.")
 
 
+def check_prng_key(name: str, key) -> None:
+  """A single PRNG key: typed (``jax.random.key(seed)``) or a legacy raw uint32 key."""
+  if isinstance(key, jax.Array) and jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+    if key.shape == ():
+      return
+    problem = f"an array of {key.shape} keys; pass one key"
+  else:
+    raw_shape = jax.random.key_data(jax.random.key(0)).shape  # the default implementation's
+    if isinstance(key, jax.Array) and key.dtype == jnp.uint32 and key.shape == raw_shape:
+      return
+    described = f"dtype {key.dtype}, shape {key.shape}" if hasattr(key, "dtype") else repr(key)
+    problem = f"{described}, not a key ({raw_shape} uint32 raw key data or a typed key)"
+  raise ValueError(f"{name} must be one PRNG key, jax.random.key(seed); got {problem}.")
+
+
 def check_axis_name(axis_name) -> None:
   """None, a hashable axis name, or a non-empty tuple of them."""
   if axis_name is None:
@@ -116,13 +145,13 @@ def _paths_and_leaves(tree) -> list[tuple[str, Any]]:
 
 
 def _is_trainable_leaf(x) -> bool:
-  if isinstance(x, (float, complex)):
+  if isinstance(x, (float, complex)):  # a plain number: made an array by numbers_as_arrays
     return True
   dtype = getattr(x, "dtype", None)
   return dtype is not None and bool(jnp.issubdtype(dtype, jnp.inexact))
 
 
-def _check_params_leaves(params) -> None:
+def check_params_leaves(params) -> None:
   """Every params leaf is a float or complex array: the transforms perturb and differentiate each."""
   bad = [(path, x) for path, x in _paths_and_leaves(params) if not _is_trainable_leaf(x)]
   if not bad:
@@ -161,7 +190,7 @@ def check_update_inputs(updates, params, stored_direction=None) -> None:
   """The params are float arrays, and agree with the gradient and the state in structure and shapes."""
   if params is None:
     raise ValueError("gsam/sam need params: call tx.update(grads, opt_state, params, loss_fn=...).")
-  _check_params_leaves(params)
+  check_params_leaves(params)
   if jax.tree.structure(updates) != jax.tree.structure(params):
     raise ValueError(
       "The gradient and params pytrees differ in structure ("

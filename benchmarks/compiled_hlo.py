@@ -1,0 +1,114 @@
+"""What the TPU compiler reports for one compiled step: memory, cost and collectives in bytes.
+
+Pure functions of a compiled program (``memory_analysis()``, ``cost_analysis()``) or of its HLO
+text; ``tpu_compile.py`` builds the programs.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import numpy as np
+
+HBM_BYTES = 16 * 2**30  # per TPU v3 core
+ELEMENT_BYTES = {
+  "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2,
+  "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8,
+}  # fmt: skip
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
+
+
+def _shape_bytes(shape_text: str) -> int:
+  total = 0
+  for dtype, dims in re.findall(r"\b([a-z]+\d*)\[([\d,]*)\]", shape_text):
+    if dtype in ELEMENT_BYTES:
+      total += ELEMENT_BYTES[dtype] * int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
+  return total
+
+
+_INSTRUCTION = re.compile(
+  r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.+?)\s+(" + "|".join(COLLECTIVES) + r")(-start)?\(", re.M
+)
+
+
+def _top_level(shape_text: str) -> list[str]:
+  """The elements of a tuple shape (the shape itself if it is not a tuple)."""
+  text = shape_text.strip()
+  if not text.startswith("("):
+    return [text]
+  parts, depth, current = [], 0, ""
+  for ch in text[1:-1]:
+    depth += {"(": 1, ")": -1, "{": 1, "}": -1}.get(ch, 0)
+    if ch == "," and depth == 0:
+      parts.append(current)
+      current = ""
+    else:
+      current += ch
+  return [*parts, current]
+
+
+def collectives(hlo_text: str) -> dict[str, dict[str, int]]:
+  """Collective ops in compiled HLO text, by kind: count and bytes of their results.
+
+  An async op counts at its ``-start``. Except for all-reduce, whose result is
+  its reduced operands, a ``-start`` returns ``(operands, results, ...)``, and
+  only the results count. Both branches of a conditional are counted.
+  """
+  found: dict[str, dict[str, int]] = {}
+  for shape, kind, start in _INSTRUCTION.findall(hlo_text):
+    parts = _top_level(shape)
+    nbytes = _shape_bytes(parts[1] if start and kind != "all-reduce" else shape)
+    entry = found.setdefault(kind, {"count": 0, "bytes": 0})
+    entry["count"] += 1
+    entry["bytes"] += nbytes
+  return found
+
+
+_CONDITIONAL = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.+?)\s+conditional\(", re.M)
+
+
+def conditionals(hlo_text: str) -> list[dict[str, int]]:
+  """Each ``conditional`` in compiled HLO: the bytes of its result tuple.
+
+  (Its operands are printed by name only, so their bytes are not read here.)
+  """
+  return [{"result_bytes": _shape_bytes(shape)} for shape in _CONDITIONAL.findall(hlo_text)]
+
+
+def analyse(compiled) -> dict[str, Any]:
+  """The per-core figures the TPU compiler gives for one compiled step."""
+  memory = compiled.memory_analysis()
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, list | tuple) else cost
+  fields = ("argument", "output", "alias", "temp", "generated_code")
+  row = {f"{f}_bytes": int(getattr(memory, f"{f}_size_in_bytes")) for f in fields}
+  row["peak_bytes"] = (
+    row["argument_bytes"]
+    + row["output_bytes"]
+    - row["alias_bytes"]
+    + row["temp_bytes"]
+    + row["generated_code_bytes"]
+  )
+  row["fits_16GiB"] = row["peak_bytes"] <= HBM_BYTES
+  row["flops"] = float(cost.get("flops", float("nan")))
+  row["bytes_accessed"] = float(cost.get("bytes accessed", float("nan")))
+  row["optimal_seconds"] = float(cost.get("optimal_seconds", float("nan")))
+  hlo = compiled.as_text()
+  row["collectives"] = collectives(hlo)
+  row["conditionals"] = conditionals(hlo)
+  return row
+
+
+def out_of_memory(error: Exception) -> dict[str, Any] | None:
+  """The TPU compiler's refusal of a program too large for HBM, or None for other errors."""
+  text = str(error)
+  if "RESOURCE_EXHAUSTED" not in text and "Ran out of memory" not in text:
+    return None
+  used = re.search(r"\(([\d.]+)([KMGT])\) exceeds available HBM \(([\d.]+)([KMGT])\)", text)
+  scale = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+  found = {"error": text.strip().splitlines()[0][:300]}
+  if used:
+    found["used_bytes"] = int(float(used[1]) * scale[used[2]])
+    found["hbm_limit_bytes"] = int(float(used[3]) * scale[used[4]])
+  return found
