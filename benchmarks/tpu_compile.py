@@ -495,7 +495,9 @@ def largest_batch(probe: Callable[[int], dict], start: int, step: int) -> tuple[
   return lo, probes
 
 
-def max_batch_table(mesh, config, names, dtypes, step, save=lambda rows: None) -> list[dict]:
+def max_batch_table(
+  mesh, config, names, dtypes, step, save=lambda rows: None, start=64
+) -> list[dict]:
   """The largest batch of each contender and dtype; ``save(rows)`` runs after each one."""
   rows: list[dict] = []
   for name in names:
@@ -503,7 +505,7 @@ def max_batch_table(mesh, config, names, dtypes, step, save=lambda rows: None) -
       probe = lambda b, name=name, dtype=dtype: probe_batch(
         mesh, config, DTYPES[dtype], CONTENDERS[name], b
       )
-      best, probes = largest_batch(probe, 64, step)
+      best, probes = largest_batch(probe, start, step)
       rows.append({"contender": name, "dtype": dtype, "largest_batch": best, "probes": probes})
       print(f"  {dtype} {name}: largest per-core batch {best} ({len(probes)} compiles)", flush=True)
       save(rows)
@@ -657,6 +659,7 @@ def parse_args(argv):
     "--max-batch", action="store_true", help="largest per-core batch that fits, by bisection"
   )
   parser.add_argument("--batch-step", type=int, default=8, help="--max-batch granularity")
+  parser.add_argument("--start-batch", type=int, default=64, help="--max-batch's first probe")
   parser.add_argument(
     "--gradient-cache",
     action="store_true",
@@ -748,6 +751,24 @@ def microbatch_probes(args, mesh, result) -> None:
         peak = found.get("peak_bytes", found.get("used_bytes", 0)) / GiB
         print(f"  {dtype} {name} at {args.per_core_batch}: peak {peak:.3f} GiB", flush=True)
         _write(args.out, result)
+  print(format_microbatch_table(rows))
+
+
+def format_microbatch_table(rows: list[dict]) -> str:
+  """The micro-batch probes: peak (or the compiler's refusal) and FLOPs as the compiler counts."""
+  cells = [
+    ("dtype", "contender", "batch", "micro-batch", "peak GiB", "temp GiB", "fits", "GFLOPs*")
+  ]
+  for r in sorted(rows, key=lambda r: (r["dtype"] != "f32", r["batch"], r["contender"])):
+    peak = r.get("peak_bytes", r.get("used_bytes", 0)) / GiB
+    cells.append((
+      r["dtype"], r["contender"], str(r["batch"]), str(r["batch"] // r["microbatches"]),
+      f"{peak:.3f}" if r["compiles"] else f"refused ({peak:.2f})",
+      f"{r['temp_bytes'] / GiB:.3f}" if r["compiles"] else "-",
+      "yes" if r["fits"] else "NO",
+      f"{r['flops'] / 1e9:.1f}" if r["compiles"] else "-",
+    ))  # fmt: skip
+  return render_table(cells) + "\n* a scan's body counted once, whatever its trip count"
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -779,7 +800,7 @@ def main(argv: list[str] | None = None) -> dict:
     result["batch_step"] = args.batch_step
     result["rows"] = max_batch_table(
       mesh, args.config, args.contenders, args.dtypes, args.batch_step,
-      save=lambda rows: _write(args.out, {**result, "rows": rows}),
+      save=lambda rows: _write(args.out, {**result, "rows": rows}), start=args.start_batch,
     )  # fmt: skip
     print(format_max_batch_table(result["rows"], args.batch_step))
   else:
