@@ -172,6 +172,29 @@ CONTENDERS = {
 }
 
 
+def microbatch_contender(k: int, semantics: str = "whole") -> Contender:
+  """Per-device GSAM over ``k`` micro-batches of each core's batch.
+
+  ``semantics``: ``"whole"`` (``update(None, ...)``: the transform accumulates
+  the clean gradient too, one micro-batch's activations live), ``"each"``
+  (``perturb_each_microbatch=True``) or ``"given"`` (whole batch, the caller's
+  whole-batch clean gradient passed: the whole batch's activations live).
+  """
+  each = semantics == "each"
+  make = lambda base, hp: optax.chain(
+    _policy_gsam(hp, microbatches=k, perturb_each_microbatch=each), base
+  )
+  return Contender(make, "microbatch given" if semantics == "given" else "microbatch")
+
+
+MICROBATCH_SEMANTICS = {"whole": "", "each": " each", "given": " given"}
+MICROBATCHES = 8  # the --max-batch contenders' micro-batch count
+CONTENDERS.update(
+  {f"gsam mb={MICROBATCHES}{tail}": microbatch_contender(MICROBATCHES, s)
+   for s, tail in MICROBATCH_SEMANTICS.items()}
+)  # fmt: skip
+
+
 def make_step(model, contender: Contender, hp: HParams):
   """(tx, per-device step(params, opt_state, (images, labels)) -> (params, opt_state, loss))."""
   tx = contender.make(optax.adamw(hp.lr, weight_decay=hp.weight_decay), hp)
@@ -179,10 +202,18 @@ def make_step(model, contender: Contender, hp: HParams):
   def step(params, opt_state, batch):
     images, labels = batch
 
-    def loss_fn(p):
+    def loss_of(p, images, labels):
       logits = model.apply({"params": p}, images)
       return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
 
+    loss_fn = lambda p: loss_of(p, images, labels)
+    mb_loss = lambda p, microbatch: loss_of(p, *microbatch)  # micro-batched contenders
+
+    if contender.protocol == "microbatch":  # The transform takes the clean gradient too.
+      updates, opt_state = tx.update(None, opt_state, params, loss_fn=mb_loss, batch=batch)
+      gsam_state = opt_state[0]  # The clean loss, without another pass:
+      loss = gsam_state.perturbed_loss - gsam_state.surrogate_gap
+      return optax.apply_updates(params, updates), opt_state, jax.lax.pmean(loss, AXIS)
     if contender.protocol == "momentum":  # One gradient, at the perturbed weights.
       zeros = optax.tree.zeros_like(params)
       updates, opt_state = tx.update(zeros, opt_state, params, loss_fn=loss_fn)
@@ -196,6 +227,10 @@ def make_step(model, contender: Contender, hp: HParams):
     elif contender.protocol == "grad_fn":
       grad_fn = lambda p, _: jax.lax.pmean(jax.grad(loss_fn)(p), AXIS)
       updates, opt_state = tx.update(grads, opt_state, params, grad_fn=grad_fn)
+    elif contender.protocol == "microbatch given":  # The whole batch's clean gradient.
+      updates, opt_state = tx.update(
+        grads, opt_state, params, loss_fn=mb_loss, batch=batch, value=loss
+      )
     else:
       extra = {} if contender.perturb is None else {"perturb": contender.perturb}
       updates, opt_state = tx.update(grads, opt_state, params, loss_fn=loss_fn, value=loss, **extra)
@@ -311,7 +346,9 @@ def largest_batch(probe: Callable[[int], dict], start: int, step: int) -> tuple[
   return lo, probes
 
 
-def max_batch_table(mesh, config, names, dtypes, step, save=lambda rows: None) -> list[dict]:
+def max_batch_table(
+  mesh, config, names, dtypes, step, save=lambda rows: None, start=64
+) -> list[dict]:
   """The largest batch of each contender and dtype; ``save(rows)`` runs after each one."""
   rows: list[dict] = []
   for name in names:
@@ -319,7 +356,7 @@ def max_batch_table(mesh, config, names, dtypes, step, save=lambda rows: None) -
       probe = lambda b, name=name, dtype=dtype: probe_batch(
         mesh, config, DTYPES[dtype], CONTENDERS[name], b
       )
-      best, probes = largest_batch(probe, 64, step)
+      best, probes = largest_batch(probe, start, step)
       rows.append({"contender": name, "dtype": dtype, "largest_batch": best, "probes": probes})
       print(f"  {dtype} {name}: largest per-core batch {best} ({len(probes)} compiles)", flush=True)
       save(rows)
@@ -473,12 +510,20 @@ def parse_args(argv):
     "--max-batch", action="store_true", help="largest per-core batch that fits, by bisection"
   )
   parser.add_argument("--batch-step", type=int, default=8, help="--max-batch granularity")
+  parser.add_argument("--start-batch", type=int, default=64, help="--max-batch's first probe")
   parser.add_argument(
     "--gradient-cache",
     action="store_true",
     help="gradient_cache.py's CLIP step on one v3 core instead",
   )
   parser.add_argument("--cache-batches", type=int, nargs="+", default=[1024, 4096, 16384, 32768])
+  parser.add_argument(
+    "--microbatches", type=int, nargs="+", default=None,
+    help="micro-batched GSAM with each of these counts at --per-core-batch instead",
+  )  # fmt: skip
+  parser.add_argument(
+    "--semantics", nargs="+", choices=list(MICROBATCH_SEMANTICS), default=["whole", "each"]
+  )
   parser.add_argument("--out", type=pathlib.Path, default=None)
   parser.add_argument(
     "--append", action="store_true", help="keep --out's rows of the contenders not compiled"
@@ -490,6 +535,7 @@ def parse_args(argv):
   default = ("adamw", "sam", "gsam") if args.max_batch else CONTENDERS
   args.contenders = args.contenders or list(QUICK_CONTENDERS if args.quick else default)
   stem = "tpu_compile" + ("_max_batch" if args.max_batch else "")
+  stem = "tpu_compile_microbatches" if args.microbatches else stem
   stem = "tpu_compile_gradient_cache" if args.gradient_cache else stem
   args.out = args.out or RESULTS / (stem + ("_quick" if args.quick else "") + ".json")
   return args
@@ -521,6 +567,61 @@ def step_table(args, mesh, result) -> None:
   result["targets"] = [{"target": w, "value": v, "met": ok} for w, v, ok in checked]
 
 
+def _probe_with_cost(mesh, config, dtype, contender, per_core) -> dict[str, Any]:
+  """``probe_batch``'s verdict at one batch, with the cost analysis's FLOPs when it compiles."""
+  try:
+    compiled, param_bytes, seconds = compile_step(mesh, config, dtype, contender, per_core)
+  except Exception as error:
+    refused = out_of_memory(error)
+    if refused is None:
+      raise
+    return {"batch": per_core, "compiles": False, "fits": False, **refused}
+  row = analyse(compiled)
+  keys = ("peak_bytes", "temp_bytes", "argument_bytes", "flops", "bytes_accessed")
+  found = {"batch": per_core, "compiles": True, **{k: row[k] for k in keys}}
+  return {**found, "fits": fits(found), "param_bytes": param_bytes, "compile_s": seconds}
+
+
+def microbatch_probes(args, mesh, result) -> None:
+  """GSAM over each of ``args.microbatches`` at ``--per-core-batch``: peak, FLOPs, or refusal.
+
+  Rows are merged into ``--out`` by (dtype, contender, batch), so that probes
+  at several batches, run one at a time, accumulate in one file.
+  """
+  old = json.loads(args.out.read_text())["rows"] if args.out.exists() else []
+  rows = result["rows"] = old
+  for dtype in args.dtypes:
+    for k in args.microbatches:
+      for semantics in args.semantics:
+        name = f"gsam mb={k}{MICROBATCH_SEMANTICS[semantics]}"
+        contender = microbatch_contender(k, semantics)
+        found = _probe_with_cost(mesh, args.config, DTYPES[dtype], contender, args.per_core_batch)
+        key = (dtype, name, args.per_core_batch)
+        rows[:] = [r for r in rows if (r["dtype"], r["contender"], r["batch"]) != key]
+        rows.append({"dtype": dtype, "contender": name, "microbatches": k, **found})
+        peak = found.get("peak_bytes", found.get("used_bytes", 0)) / GiB
+        print(f"  {dtype} {name} at {args.per_core_batch}: peak {peak:.3f} GiB", flush=True)
+        _write(args.out, result)
+  print(format_microbatch_table(rows))
+
+
+def format_microbatch_table(rows: list[dict]) -> str:
+  """The micro-batch probes: peak (or the compiler's refusal) and FLOPs as the compiler counts."""
+  cells = [
+    ("dtype", "contender", "batch", "micro-batch", "peak GiB", "temp GiB", "fits", "GFLOPs*")
+  ]
+  for r in sorted(rows, key=lambda r: (r["dtype"] != "f32", r["batch"], r["contender"])):
+    peak = r.get("peak_bytes", r.get("used_bytes", 0)) / GiB
+    cells.append((
+      r["dtype"], r["contender"], str(r["batch"]), str(r["batch"] // r["microbatches"]),
+      f"{peak:.3f}" if r["compiles"] else f"refused ({peak:.2f})",
+      f"{r['temp_bytes'] / GiB:.3f}" if r["compiles"] else "-",
+      "yes" if r["fits"] else "NO",
+      f"{r['flops'] / 1e9:.1f}" if r["compiles"] else "-",
+    ))  # fmt: skip
+  return render_table(cells) + "\n* a scan's body counted once, whatever its trip count"
+
+
 def main(argv: list[str] | None = None) -> dict:
   args = parse_args(argv)
   result = {
@@ -544,11 +645,13 @@ def main(argv: list[str] | None = None) -> dict:
     peak_formula="argument + output - alias + temp + generated_code (bytes per core)",
     hbm_bytes=HBM_BYTES,
   )
-  if args.max_batch:
+  if args.microbatches:
+    microbatch_probes(args, mesh, result)
+  elif args.max_batch:
     result["batch_step"] = args.batch_step
     result["rows"] = max_batch_table(
       mesh, args.config, args.contenders, args.dtypes, args.batch_step,
-      save=lambda rows: _write(args.out, {**result, "rows": rows}),
+      save=lambda rows: _write(args.out, {**result, "rows": rows}), start=args.start_batch,
     )  # fmt: skip
     print(format_max_batch_table(result["rows"], args.batch_step))
   else:

@@ -61,6 +61,21 @@ def test_synchronized_gsam_adds_exactly_one_gradient(all_reduce_bytes):
   assert got["gsam sync"] - got["gsam"] == param_bytes
 
 
+@needs_libtpu
+@pytest.mark.parametrize("semantics", ["whole", "each"])
+def test_micro_batched_gsam_all_reduces_one_gradient(tpu_compile, all_reduce_bytes, semantics):
+  """Per-device micro-batches are summed on the core: still one gradient all-reduced."""
+  mesh = tpu_compile.tpu_mesh("v3-8")
+  contender = tpu_compile.microbatch_contender(2, semantics)
+  compiled, _, _ = tpu_compile.compile_step(
+    mesh, tpu_compile.VIT_QUICK, tpu_compile.DTYPES["f32"], contender, 4
+  )
+  found = tpu_compile.collectives(compiled.as_text())
+  assert set(found) == {"all-reduce"}, found
+  got = all_reduce_bytes[0]
+  assert 0 < found["all-reduce"]["bytes"] - got["adamw"] <= 64, (found, got)
+
+
 def test_collective_parser_reads_tuple_and_async_all_reduces(tpu_compile):
   hlo = """
   %a = f32[256,256]{1,0:T(8,128)} all-reduce(f32[256,256]{1,0} %x), to_apply=%add
