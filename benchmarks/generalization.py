@@ -145,7 +145,9 @@ def summarize(results: dict[str, list[tuple[harness.Run, dict]]]) -> list[dict]:
       row: dict[str, Any] = {"noise": noise, "contender": name, "seeds": len(metrics)}
       for key in (*METRICS, "accuracy_curve", "lambda_max_track"):
         values = np.array([m[key] for m in metrics], dtype=np.float64)
-        row[f"{key}_mean"], row[f"{key}_std"] = values.mean(0).tolist(), values.std(0).tolist()
+        for stat in ("mean", "std"):  # epochs not measured: None (JSON null), not NaN
+          value = getattr(values, stat)(0)
+          row[f"{key}_{stat}"] = np.where(np.isnan(value), None, value).tolist()
       row["values"] = {key: [m[key] for m in metrics] for key in METRICS}
       row["density"] = {k: [m[f"density_{k}"] for m in metrics] for k in ("eigenvalues", "weights")}
       rows.append(row)
@@ -215,7 +217,7 @@ def plot_sharpness(rows: list[dict], noises: list, names: list, path: Path) -> N
     grid = np.linspace(nodes.min(), nodes.max(), 400)
     sigma = (nodes.max() - nodes.min()) / 200
     for name, r in sel.items():
-      mean, std = (np.array(r[f"lambda_max_track_{k}"]) for k in ("mean", "std"))
+      mean, std = (np.array(r[f"lambda_max_track_{k}"], np.float64) for k in ("mean", "std"))
       epochs = np.flatnonzero(np.isfinite(mean)) + 1
       top.errorbar(epochs, mean[epochs - 1], std[epochs - 1], marker="o", ms=3, label=name)
       slq = optax_gsam.SpectralDensity(
