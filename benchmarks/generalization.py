@@ -89,6 +89,10 @@ DEFAULTS: dict[str, dict[str, float]] = {
   "sam": {"lr": 1e-3, "rho": 0.4, "alpha": 0.0},
   "gsam": {"lr": 1e-3, "rho": 0.2, "alpha": 0.3},
   "gsam-lr": {"lr": 1e-3, "rho": 0.4, "alpha": 0.1},
+  # --tune --contenders friendly-sam vasso "sam 2-step" (validation accuracy 76.3 to 76.6%)
+  "friendly-sam": {"lr": 1e-3, "rho": 0.4, "alpha": 0.0},
+  "vasso": {"lr": 1e-3, "rho": 0.4, "alpha": 0.0},
+  "sam 2-step": {"lr": 1e-3, "rho": 0.4, "alpha": 0.0},
 }
 METRICS = (
   "accuracy",
