@@ -200,3 +200,23 @@ def test_updates_none_or_batch_without_microbatches_is_refused():
     optax_gsam.gsam(RHO, microbatches=2, num_groups=2)
   with pytest.raises(ValueError, match="perturb_each_microbatch=True needs microbatches"):
     optax_gsam.gsam(RHO, perturb_each_microbatch=True)
+
+
+def test_a_gradient_cache_per_microbatch_is_the_dense_micro_batched_step():
+  """value_and_grad_fn(params, microbatch) from cached_value_and_grad: each micro-batch's
+  contrastive loss, exact, in chunks of 2."""
+  with jax.enable_x64(True):
+    rng = np.random.default_rng(19)
+    params = {"a": rng.normal(size=(5, 3)), "b": rng.normal(size=(4, 3))}
+    batch = (rng.normal(size=(16, 5)), rng.normal(size=(16, 4)))
+    unit = lambda z: z / jnp.linalg.norm(z, axis=-1, keepdims=True)
+    embed = lambda p, pair: (unit(jnp.tanh(pair[0] @ p["a"])), unit(jnp.tanh(pair[1] @ p["b"])))
+    loss = lambda p, reps: optax_gsam.clip_loss(*reps, 1.0)
+    cached = optax_gsam.cached_value_and_grad(embed, loss, chunk_size=2)
+    dense = lambda p, microbatch: loss(p, embed(p, microbatch))
+    outputs = []
+    for fn in (dict(value_and_grad_fn=cached), dict(loss_fn=dense)):
+      tx = optax_gsam.gsam(RHO, ALPHA, microbatches=2)
+      out, _ = tx.update(None, tx.init(params), params, batch=batch, **fn)
+      outputs.append(np.concatenate([np.ravel(out["a"]), np.ravel(out["b"])]))
+    np.testing.assert_allclose(outputs[0], outputs[1], rtol=1e-10)
