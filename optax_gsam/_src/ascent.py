@@ -48,6 +48,11 @@ def _unit(direction: optax.Updates, eps: float | jax.Array, like: optax.Params) 
   return _scaled(direction, 1.0 / (stable_global_norm(direction) + eps), like)
 
 
+def _moving_average(average: optax.Updates, grads: optax.Updates, decay) -> optax.Updates:
+  r""":math:`\lambda m + (1 - \lambda) g`, kept in the average's (float32 at least) dtype."""
+  return jax.tree.map(lambda m, g: decay * m + (1.0 - decay) * g.astype(m.dtype), average, grads)
+
+
 def _zeros_in_compute_dtype(params: optax.Params) -> optax.Updates:
   return jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), compute_dtype(jnp.result_type(p))), params)
 
@@ -122,8 +127,9 @@ def adaptive_ascent(kind: Adaptive, eps: float | jax.Array = 1e-12) -> optax.Gra
     if params is None:
       raise ValueError(f"adaptive_ascent({kind!r}) scales by |w|: pass params to update.")
     weight = jax.tree.map(lambda w: jnp.abs(upcast(w)), params)
-    scaled = jax.tree.map(lambda g, a: upcast(g) * a, grads, weight)
-    direction = scaled if kind == "asam" else grads  # asam: w^2 g = |w| (|w| g)
+    direction = grads  # asam normalizes |w| g, and its w^2 g is |w| (|w| g)
+    if kind == "asam":
+      direction = jax.tree.map(lambda g, a: upcast(g) * a, grads, weight)
     scale = 1.0 / (stable_global_norm(direction) + eps)
     return _scaled(jax.tree.map(jnp.multiply, direction, weight), scale, params), state
 
@@ -184,9 +190,7 @@ def friendly_ascent(
     return FriendlyAscentState(_zeros_in_compute_dtype(params))
 
   def update_fn(grads, state, params=None):
-    average = jax.tree.map(
-      lambda m, g: decay * m + (1.0 - decay) * g.astype(m.dtype), state.gradient_average, grads
-    )
+    average = _moving_average(state.gradient_average, grads, decay)
     noise = jax.tree.map(lambda g, m: upcast(g) - sigma * m, grads, average)
     like = grads if params is None else params
     return _unit(noise, eps, like), FriendlyAscentState(average)
@@ -243,9 +247,7 @@ def vasso_ascent(theta: float = 0.4, *, eps: float = 1e-12) -> optax.GradientTra
     return VassoState(_zeros_in_compute_dtype(params))
 
   def update_fn(grads, state, params=None):
-    smoothed = jax.tree.map(
-      lambda d, g: (1.0 - theta) * d + theta * g.astype(d.dtype), state.smoothed_gradient, grads
-    )
+    smoothed = _moving_average(state.smoothed_gradient, grads, 1.0 - theta)
     return _unit(smoothed, eps, grads if params is None else params), VassoState(smoothed)
 
   return optax.GradientTransformation(init_fn, update_fn)
