@@ -36,6 +36,10 @@ import optax_gsam
 from optax_gsam import demo
 
 WEIGHT_DECAY = 1e-4
+# SGD with momentum as the SAM and Momentum-SAM papers run it (their CIFAR weight decay).
+SGD_MOMENTUM = 0.9
+SGD_WEIGHT_DECAY = 5e-4
+BASES = ("adamw", "sgd")
 # rho_min / rho_max of big_vision's ViT GSAM config (0.1 / 0.6, docs/big_vision_migration.md).
 PAPER_RHO_MIN_RATIO = 0.1 / 0.6
 cross_entropy = demo.cross_entropy
@@ -83,6 +87,7 @@ class Contender:
       ``perturb=False``; ``()`` for the base optimizer, ``(None,)`` for a transform without one).
     requires: names ``optax_gsam`` must export; without them the contender is left out.
     cheap_policy: whether it is a cheap-step policy (pareto.py's target (a)).
+    evaluations: gradient evaluations of a full step (a cheap or base step takes one).
   """
 
   make: Callable[[optax.GradientTransformation, HParams], optax.GradientTransformation]
@@ -91,6 +96,7 @@ class Contender:
   branches: tuple[str | None, ...] = ("full",)
   requires: tuple[str, ...] = ()
   cheap_policy: bool = False
+  evaluations: int = 2
 
 
 def before_base(transform: Callable[[HParams], optax.GradientTransformation]) -> Callable:
@@ -126,9 +132,21 @@ def available(contenders: dict[str, Contender]) -> dict[str, Contender]:
   }
 
 
-def base_optimizer(lr: optax.ScalarOrSchedule = 1e-3) -> optax.GradientTransformation:
-  """The optimizer every contender wraps: AdamW, weight decay 1e-4."""
-  return optax.adamw(lr, weight_decay=WEIGHT_DECAY)
+def base_optimizer(
+  lr: optax.ScalarOrSchedule = 1e-3, kind: str = "adamw"
+) -> optax.GradientTransformation:
+  """The optimizer every contender wraps.
+
+  ``"adamw"``: AdamW, weight decay 1e-4. ``"sgd"``: SGD with momentum 0.9 and weight
+  decay 5e-4 added to the gradient before the momentum (PyTorch's ``SGD(weight_decay=)``).
+  """
+  if kind == "adamw":
+    return optax.adamw(lr, weight_decay=WEIGHT_DECAY)
+  if kind == "sgd":
+    return optax.chain(
+      optax.add_decayed_weights(SGD_WEIGHT_DECAY), optax.sgd(lr, momentum=SGD_MOMENTUM)
+    )
+  raise ValueError(f"base optimizer kind must be one of {BASES}, got {kind!r}")
 
 
 def train_step(
@@ -171,6 +189,7 @@ class Task:
   noise_levels: tuple[float, ...]
   batch_size: int
   epochs: int
+  base: str = "adamw"  # the base optimizer's kind (base_optimizer)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,7 +224,8 @@ def make_train(
 ) -> tuple[Callable, int]:
   """A jitted, vmapped ``(lr, rho, alpha, key, y_train, y_eval, y_clean) -> metrics`` and its steps.
 
-  AdamW with a linear warmup (5% of the steps) and a cosine decay to 1% of the peak.
+  The task's base optimizer (:func:`base_optimizer`) with a linear warmup (5% of the
+  steps) and a cosine decay to 1% of the peak.
   ``final_metrics(loss_fn, params, key, train_set)`` adds entries measured after training,
   with ``loss_fn(params, (x, y))`` and ``train_set = (x_train, y_train)``;
   ``track`` (same arguments, a dict of scalars) is measured after every
@@ -221,7 +241,7 @@ def make_train(
   x_train, x_eval = jnp.asarray(x_train), jnp.asarray(x_eval)
 
   def train_one(lr, rho, alpha, key, y_train, y_eval, y_clean):
-    base = base_optimizer(lambda count: lr * unit_lr(count))
+    base = base_optimizer(lambda count: lr * unit_lr(count), task.base)
     init_key, data_key, extra_key = jax.random.split(key, 3)
     tx = contender.make(base, HParams(lr, rho, alpha, num_steps, extra_key, unit_lr))
     step = train_step(model, tx, contender)
@@ -347,8 +367,13 @@ def tune(
   *,
   seeds: int,
   compiler_options: dict | None = None,
+  joint: bool = False,
 ) -> tuple[dict, dict]:
   """Per noise level: the base learning rate, then each key's (rho, alpha) at that learning rate.
+
+  With ``joint``, each key's learning rate is tuned together with its rho and alpha, over
+  ``lr_grid x rhos x alphas``, and the base's over as many learning rates, spaced
+  geometrically across ``lr_grid``'s range: every key gets the same number of points.
 
   Args:
     task: what to train; every noise level of it is tuned separately.
@@ -386,12 +411,17 @@ def tune(
     return {noise: point for noise, (point, _) in best.items()}
 
   noises = task.noise_levels
+  base_lrs = list(lr_grid)
+  if joint and grids:
+    size = max(len(lr_grid) * len(rhos) * len(alphas) for rhos, alphas in grids.values())
+    base_lrs = np.geomspace(min(lr_grid), max(lr_grid), size).tolist()
   chosen = {
     n: {"base": p}
-    for n, p in evaluate("base", {n: [(lr, 0.0, 0.0) for lr in lr_grid] for n in noises}).items()
+    for n, p in evaluate("base", {n: [(lr, 0.0, 0.0) for lr in base_lrs] for n in noises}).items()
   }
   for key, (rhos, alphas) in grids.items():
-    points = {n: [(chosen[n]["base"]["lr"], r, a) for r in rhos for a in alphas] for n in noises}
+    lrs = lambda n: lr_grid if joint else (chosen[n]["base"]["lr"],)
+    points = {n: [(lr, r, a) for lr in lrs(n) for r in rhos for a in alphas] for n in noises}
     for n, point in evaluate(key, points).items():
       chosen[n][key] = point
   return chosen, sweep

@@ -111,18 +111,23 @@ class PatchConv1D(nn.Module):
 
 
 class CNN1D(nn.Module):
-  """Greydanus's MNIST-1D CNN: three stride-2 convolutions (25 channels), ReLU, a linear head."""
+  """Greydanus's MNIST-1D CNN: three stride-2 convolutions (25 channels), ReLU, a linear head.
+
+  ``norm=True`` puts a LayerNorm after each convolution, before its ReLU, so that SAM-ON
+  (which perturbs only normalization parameters) has something to perturb.
+  """
 
   channels: int = 25
   num_classes: int = 10
+  norm: bool = False
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
     if x.ndim == 2:
       x = x[..., None]
-    x = nn.relu(PatchConv1D(self.channels, 5, stride=2, padding=1)(x))
-    x = nn.relu(PatchConv1D(self.channels, 3, stride=2, padding=1)(x))
-    x = nn.relu(PatchConv1D(self.channels, 3, stride=2, padding=1)(x))
+    for kernel_size in (5, 3, 3):
+      x = PatchConv1D(self.channels, kernel_size, stride=2, padding=1)(x)
+      x = nn.relu(nn.LayerNorm()(x) if self.norm else x)
     return nn.Dense(self.num_classes)(x.reshape(x.shape[0], -1))
 
 
