@@ -15,11 +15,12 @@ benchmarks/README.md.
     python benchmarks/generalization.py --quick   # 2 seeds, 20 epochs
     python benchmarks/generalization.py --tune    # the validation sweep behind DEFAULTS
     python benchmarks/generalization.py --cost    # only what tracking lambda_max costs
+    python benchmarks/generalization.py --norm    # SAM-ON: base, SAM, SAM-ON on NormMLP
 
 Writes ``results/generalization[_quick].json`` and two PNGs, ``generalization[_quick].png``
 (accuracy) and ``generalization[_quick]_sharpness.png`` (lambda_max over training and the final
 spectral densities); ``--tune``: ``results/generalization_tune.json``; ``--cost``:
-``results/generalization_cost.json``.
+``results/generalization_cost.json``; ``--norm`` adds ``_ln`` to the names.
 """
 
 from __future__ import annotations
@@ -40,8 +41,10 @@ from optax_gsam import demo
 import harness
 from harness import Contender
 from harness import before_base
+from models import NormMLP
 
 TASK = harness.Task("digits", demo.MLP(), demo.load_digits, (0.0, 0.2, 0.4), 64, 60)
+NORM_TASK = dataclasses.replace(TASK, name="digits-ln", model=NormMLP())  # --norm
 # The sharpness measured after training, on the full training set with its (noisy) labels.
 GAP_RHO = 0.1  # the fixed radius of the surrogate gap and of m-sharpness, for every optimizer
 LANCZOS_ITERATIONS = 20  # Hessian-vector products for lambda_max
@@ -69,7 +72,23 @@ CONTENDERS: dict[str, Contender] = {
   "sam 2-step": Contender(
     before_base(lambda hp: optax_gsam.sam(hp.rho, ascent_steps=2)), "sam 2-step"
   ),
+  # LookSAM's per-layer rescaling of the reused direction, at GSAM's values.
+  "gsam k=5 per-layer": Contender(
+    before_base(
+      lambda hp: optax_gsam.gsam(
+        hp.rho, hp.alpha, policy=optax_gsam.every_k_policy(5, reuse_scale="per_leaf")
+      )
+    ),
+    "gsam",
+  ),
+  # SAM-ON perturbs the LayerNorms only: --norm trains every contender on NormMLP.
+  "sam-on": Contender(
+    before_base(lambda hp: optax_gsam.sam(hp.rho, mask=harness.norm_layers)), "sam-on"
+  ),
 }
+# What --norm trains (NormMLP: the MLP with a LayerNorm per hidden layer), and the default run.
+NORM_CONTENDERS = ("base", "sam", "sam-on")
+DEFAULT_CONTENDERS = tuple(name for name in CONTENDERS if name != "sam-on")
 # The validation sweep (--tune): the base lr, then each key's rho and alpha grids at that lr.
 TUNE_NOISE, TUNE_EPOCHS, TUNE_SEEDS = 0.2, 40, 4
 LR_GRID = (1e-3, 2e-3, 5e-3)
@@ -82,6 +101,8 @@ GRIDS = {
   "friendly-sam": (RHO_GRID, (0.0,)),
   "vasso": (RHO_GRID, (0.0,)),
   "sam 2-step": (RHO_GRID, (0.0,)),
+  # SAM-ON moves the 1024 LayerNorm parameters alone; its paper's radii are larger.
+  "sam-on": ((0.2, 0.5, 1.0, 2.0), (0.0,)),
 }
 # Chosen with --tune (generalization_tune.json).
 DEFAULTS: dict[str, dict[str, float]] = {
@@ -93,6 +114,12 @@ DEFAULTS: dict[str, dict[str, float]] = {
   "friendly-sam": {"lr": 1e-3, "rho": 0.4, "alpha": 0.0},
   "vasso": {"lr": 1e-3, "rho": 0.4, "alpha": 0.0},
   "sam 2-step": {"lr": 1e-3, "rho": 0.4, "alpha": 0.0},
+}
+# --norm: chosen with --tune --norm (generalization_tune_ln.json).
+NORM_DEFAULTS: dict[str, dict[str, float]] = {
+  "base": {"lr": 1e-3, "rho": 0.0, "alpha": 0.0},
+  "sam": {"lr": 1e-3, "rho": 0.4, "alpha": 0.0},
+  "sam-on": {"lr": 1e-3, "rho": 1.0, "alpha": 0.0},
 }
 METRICS = (
   "accuracy",
@@ -239,20 +266,19 @@ def plot_sharpness(rows: list[dict], noises: list, names: list, path: Path) -> N
 
 def tune(args, argv) -> dict:
   """The sweep behind :data:`DEFAULTS`, on a validation split at :data:`TUNE_NOISE` label noise."""
-  task = dataclasses.replace(TASK, noise_levels=(TUNE_NOISE,), epochs=args.epochs or TUNE_EPOCHS)
+  task = NORM_TASK if args.norm else TASK
+  task = dataclasses.replace(task, noise_levels=(TUNE_NOISE,), epochs=args.epochs or TUNE_EPOCHS)
   seeds = args.seeds or TUNE_SEEDS
-  keys = {
-    "base",
-    *(c.hparams for n, c in CONTENDERS.items() if n in (args.contenders or CONTENDERS)),
-  }
+  names = args.contenders or (NORM_CONTENDERS if args.norm else DEFAULT_CONTENDERS)
+  keys = {"base", *(c.hparams for n, c in CONTENDERS.items() if n in names)}
   tuned_with = {key: CONTENDERS[key] for key in keys}
   grids = {key: grid for key, grid in GRIDS.items() if key in keys}
   chosen, sweep = harness.tune(task, tuned_with, LR_GRID, grids, seeds=seeds)
   print(f"best: {chosen[TUNE_NOISE]}")
   result = {"noise": TUNE_NOISE, "epochs": task.epochs, "seeds": seeds, "sweep": sweep}
-  return harness.save(
-    "generalization_tune", "full", {**result, "best": chosen[TUNE_NOISE]}, args.out_dir, argv
-  )
+  result = {**result, "model": task.model.__class__.__name__, "best": chosen[TUNE_NOISE]}
+  suffix = "_ln" if args.norm else ""
+  return harness.save("generalization_tune", "full", result, args.out_dir, argv, suffix=suffix)
 
 
 def tracking_cost(task: harness.Task, runs: list[harness.Run], every: int) -> dict:
@@ -312,6 +338,11 @@ def main(argv: list[str] | None = None) -> dict:
   parser.add_argument("--tune", action="store_true", help="run the hyperparameter sweep instead")
   parser.add_argument("--track-every", type=int, default=TRACK_EVERY, help="epochs per lambda_max")
   parser.add_argument("--cost", action="store_true", help="only measure what tracking costs")
+  parser.add_argument(
+    "--norm",
+    action="store_true",
+    help="train NormMLP (a LayerNorm per hidden layer) with NORM_CONTENDERS, for SAM-ON",
+  )
   args = parser.parse_args(argv)
   if args.tune:
     return tune(args, argv)
@@ -319,11 +350,14 @@ def main(argv: list[str] | None = None) -> dict:
     return cost_only(args, argv)
   mode = "quick" if args.quick else "full"
   seeds = args.seeds or (2 if args.quick else 6)
-  task = dataclasses.replace(TASK, epochs=args.epochs or (20 if args.quick else TASK.epochs))
-  contenders = {n: c for n, c in CONTENDERS.items() if not args.contenders or n in args.contenders}
-  hparams = {name: DEFAULTS[c.hparams] for name, c in contenders.items()}
+  task = NORM_TASK if args.norm else TASK
+  task = dataclasses.replace(task, epochs=args.epochs or (20 if args.quick else TASK.epochs))
+  names = args.contenders or (NORM_CONTENDERS if args.norm else DEFAULT_CONTENDERS)
+  contenders = {n: c for n, c in CONTENDERS.items() if n in names}
+  defaults = NORM_DEFAULTS if args.norm else DEFAULTS
+  hparams = {name: defaults[c.hparams] for name, c in contenders.items()}
   print(
-    f"digits, noise {args.noise}, {seeds} seeds, {task.epochs} epochs of batch {task.batch_size}, AdamW + warmup/cosine; {hparams}"
+    f"{task.name} ({task.model.__class__.__name__}), noise {args.noise}, {seeds} seeds, {task.epochs} epochs of batch {task.batch_size}, AdamW + warmup/cosine; {hparams}"
   )
   start = time.perf_counter()
   results: dict[str, list[tuple[harness.Run, dict]]] = {}
@@ -350,7 +384,7 @@ def main(argv: list[str] | None = None) -> dict:
   print(format_table(rows))
   cost = {}
   if "base" in contenders:
-    cost_runs = [r for r in runs_of(DEFAULTS["base"]) if r.noise == args.noise[-1]]
+    cost_runs = [r for r in runs_of(defaults["base"]) if r.noise == args.noise[-1]]
     cost = tracking_cost(task, cost_runs, args.track_every)
   seconds = time.perf_counter() - start
   print(
@@ -364,6 +398,7 @@ def main(argv: list[str] | None = None) -> dict:
     "seeds": seeds,
     "epochs": task.epochs,
     "batch_size": task.batch_size,
+    "model": task.model.__class__.__name__,
     "hparams": hparams,
     "gap_rho": GAP_RHO,
     "sharpness_labels": "training labels (noisy)",
@@ -382,7 +417,8 @@ def main(argv: list[str] | None = None) -> dict:
     "rows": rows,
   }
   draw = None if args.no_plot else functools.partial(plot, rows)
-  return harness.save("generalization", mode, result, args.out_dir, argv, draw)
+  suffix = "_ln" if args.norm else ""
+  return harness.save("generalization", mode, result, args.out_dir, argv, draw, suffix=suffix)
 
 
 if __name__ == "__main__":

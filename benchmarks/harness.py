@@ -125,6 +125,13 @@ CONTENDERS: dict[str, Contender] = {
 }
 
 
+def norm_layers(params: Any) -> Any:
+  """SAM-ON's mask (Mueller et al., 2023): True on the leaves of Flax's ``LayerNorm`` modules."""
+  return jax.tree_util.tree_map_with_path(
+    lambda path, _: "LayerNorm" in jax.tree_util.keystr(path), params
+  )
+
+
 def available(contenders: dict[str, Contender]) -> dict[str, Contender]:
   """The contenders whose ``requires`` the installed ``optax_gsam`` exports."""
   return {

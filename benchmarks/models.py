@@ -82,6 +82,19 @@ class ResNet(nn.Module):
     return nn.Dense(self.num_classes)(x.mean(axis=(1, 2)))
 
 
+class NormMLP(nn.Module):
+  """The demo's MLP with a LayerNorm after each hidden layer, before its GELU (for SAM-ON)."""
+
+  hidden: int = 256
+  num_classes: int = 10
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    for _ in range(2):
+      x = nn.gelu(nn.LayerNorm()(nn.Dense(self.hidden)(x)))
+    return nn.Dense(self.num_classes)(x)
+
+
 class PatchConv1D(nn.Module):
   """A 1-D convolution as patch extraction + ``nn.Dense``: ``nn.Conv``'s function, matmuls only.
 

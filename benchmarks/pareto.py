@@ -110,13 +110,6 @@ def _policy(policy, rho=lambda hp: hp.rho, requires: str = "", key: str = "sam")
   )
 
 
-def norm_layers(params: Any) -> Any:
-  """SAM-ON's mask: True on the leaves of Flax's ``LayerNorm`` modules."""
-  return jax.tree_util.tree_map_with_path(
-    lambda path, _: "LayerNorm" in jax.tree_util.keystr(path), params
-  )
-
-
 def _sam(key: str, evaluations: int = 2, **options) -> Contender:
   """``optax_gsam.sam(rho, **options)`` at the tuned values of ``key``."""
   return Contender(
@@ -162,7 +155,7 @@ CONTENDERS: dict[str, Contender] = {
   "friendly-sam": _sam("friendly-sam", ascent=optax_gsam.friendly_ascent()),
   "vasso": _sam("vasso", ascent=optax_gsam.vasso_ascent()),
   "sam-2step": _sam("sam-2step", evaluations=3, ascent_steps=2),
-  "sam-on": _sam("sam-on", mask=norm_layers),
+  "sam-on": _sam("sam-on", mask=harness.norm_layers),
   # Policies at <= 1.05 gradient evaluations per base step, each tuned on its own.
   "every-20": _policy(lambda hp: optax_gsam.every_k_policy(20), key="every-20"),
   "late-phase-5": _policy(

@@ -117,6 +117,70 @@ def test_pareto_smoke(tmp_path):
   assert saved["machine"]["jax"]
 
 
+def test_pareto_joint_tuning_smoke(tmp_path):
+  """--joint: every key tunes (lr, rho) over as many points as the base's learning rates."""
+  argv = ["--quick", "--joint", "--base", "sgd", "--noise", "0.2", "--tune-seeds", "1"]
+  argv += ["--seeds", "1", "--contenders", "base", "sam", "late-phase-5", "--no-vit"]
+  argv += ["--rounds", "1", "--out-dir", str(tmp_path), "--no-plot"]
+  pareto.main(argv)
+  saved = json.loads((tmp_path / "pareto_quick_joint_sgd.json").read_text())
+  sweep = saved["tuning"]["sweep"]["mnist1d-ln"]
+  points = {key: [(p["lr"], p["rho"]) for p in sweep[key]] for key in ("base", "sam", "late-5")}
+  assert {len(v) for v in points.values()} == {9}  # equal grid sizes
+  assert len({lr for lr, _ in points["base"]}) == 9 and len({lr for lr, _ in points["sam"]}) == 3
+  rows = {r["contender"]: r for r in saved["rows"]}
+  assert {r["base_optimizer"] for r in rows.values()} == {"sgd"}
+  assert (rows["base"]["base_steps"], rows["sam"]["base_steps"]) == (1.0, 2.0)
+  assert rows["late-phase-5"]["base_steps"] == pytest.approx(
+    1 + rows["late-phase-5"]["full_fraction"]
+  )
+  [shares] = saved["gain_shares"]
+  assert set(shares["shares"]) == {"late-phase-5"}
+  assert saved["targets"][-1]["target"].startswith("(e)")
+
+
+def test_pareto_gain_share_target():
+  row = lambda name, acc, std, steps: {
+    "base_optimizer": "sgd",
+    "dataset": "d",
+    "noise": 0.2,
+    "contender": name,
+    "acc_mean": acc,
+    "acc_std": std,
+    "base_steps": steps,
+  }
+  rows = [
+    row("base", 0.80, 0.01, 1.0),
+    row("sam", 0.90, 0.01, 2.0),
+    row("late-phase-5", 0.895, 0.01, 1.05),  # keeps 95% at 1.05 base steps
+    row("every-5", 0.90, 0.01, 1.2),  # keeps all, but costs too much
+  ]
+  [shares] = pareto.gain_shares(rows, pareto.CONTENDERS)
+  assert shares["sam_gain"] == pytest.approx(0.1)
+  assert shares["shares"]["late-phase-5"]["share"] == pytest.approx(0.95)
+  [one] = pareto.check_gain_shares([shares], pareto.CONTENDERS)
+  assert "late-phase-5 95%" in one["value"] and "every-5" not in one["value"] and not one["met"]
+  [two] = pareto.check_gain_shares([shares, {**shares, "noise": 0.4}], pareto.CONTENDERS)
+  assert two["met"]
+  small_gain = {**shares, "gain_std": 0.2}  # SAM within one std of the base: not counted
+  assert pareto.check_gain_shares([small_gain], pareto.CONTENDERS)[0]["value"] == "no such setting"
+
+
+def test_sgd_base_is_momentum_sgd_with_coupled_weight_decay():
+  """SGD's base: d = g + wd w; m = mu m + d; w -= lr m (PyTorch's SGD), from the formula."""
+  tx = harness.base_optimizer(0.1, "sgd")
+  w, g = np.array([1.0, -2.0]), np.array([0.5, 0.25])
+  state, params, momentum = tx.init(w), w.copy(), np.zeros(2)
+  for _ in range(3):
+    updates, state = tx.update(g, state, params)
+    params = params + np.asarray(updates)
+    momentum = harness.SGD_MOMENTUM * momentum + g + harness.SGD_WEIGHT_DECAY * w
+    w = w - 0.1 * momentum
+  np.testing.assert_allclose(params, w, rtol=1e-6)
+  with pytest.raises(ValueError, match="adamw"):
+    harness.base_optimizer(0.1, "lion")
+
+
 def test_pareto_step_cost_formula():
   costs = {
     "base": {"ratio": 1.0, "flops_ratio": 1.0, "ms": 1.0},
@@ -151,8 +215,12 @@ def test_pareto_data_and_schedules():
   for name in ("every-2", "every-5", "every-10", "adaptive", "random", "late-phase"):
     assert name in harness.available(pareto.CONTENDERS), name
   for name, task in pareto.tasks("full").items():
-    assert set(pareto.DEFAULTS[name]) == set(task.noise_levels)
-    assert set(pareto.grids(name)) | {"base"} == set(pareto.TUNED_WITH)
+    if name in pareto.DEFAULTS:  # mnist1d-ln is --joint's, which always tunes
+      assert set(pareto.DEFAULTS[name]) == set(task.noise_levels)
+      assert set(pareto.grids(name)) | {"base"} <= set(pareto.TUNED_WITH)
+  assert set(pareto.joint_grids()) | {"base"} == set(pareto.TUNED_WITH)
+  for name in pareto.JOINT_CONTENDERS:
+    assert pareto.CONTENDERS[name].hparams in pareto.TUNED_WITH, name
 
 
 def test_paper_rho_is_rho_from_lr_of_the_real_learning_rate():
