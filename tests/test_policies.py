@@ -262,18 +262,26 @@ def test_policies_agree_across_devices_and_count_the_same_steps(data_mesh):
 # --- Momentum-SAM ------------------------------------------------------------------------------
 
 
-def test_momentum_sam_with_sgd_momentum_matches_the_papers_algorithm():
-  """SGD-MSAM (Becker et al., Algorithm 1) written from its formulas in float64."""
+@pytest.mark.parametrize("mask", [None, {"b": False, "w": True}])
+def test_momentum_sam_with_sgd_momentum_matches_the_papers_algorithm(mask):
+  """SGD-MSAM (Becker et al., Algorithm 1) written from its formulas in float64.
+
+  With a mask m, the perturbation is rho m*v / |m*v|; v keeps every leaf.
+  """
   rho, mu, lr, steps = 0.3, 0.9, 0.05, 6
   with jax.enable_x64(True):
     params, loss_jax, _, grad_np = make_problem(seed=26)
     w, v = flatten(params), np.zeros(flatten(params).shape)
+    selected = (
+      np.ones_like(w) if mask is None else flatten({"b": 0 * params["b"], "w": 1 + 0 * params["w"]})
+    )
     for _ in range(steps):
-      scale = rho / (np.linalg.norm(v) + EPS)
-      g = flatten(grad_np(unflatten(w - scale * v, params)))
+      direction = selected * v
+      scale = rho / (np.linalg.norm(direction) + EPS)
+      g = flatten(grad_np(unflatten(w - scale * direction, params)))
       v = mu * v + g
       w = w - lr * v
-    tx = optax.chain(optax_gsam.momentum_sam(rho, mu), optax.sgd(lr, momentum=mu))
+    tx = optax.chain(optax_gsam.momentum_sam(rho, mu, mask=mask), optax.sgd(lr, momentum=mu))
     p = jax.tree.map(jnp.asarray, params)
     state = tx.init(p)
     step = jax.jit(

@@ -12,6 +12,10 @@ import optax
 
 from optax_gsam._src import perturbation as pert
 from optax_gsam._src import step
+from optax_gsam._src.ascent import MaskOrFn
+from optax_gsam._src.ascent import check_mask
+from optax_gsam._src.ascent import resolve_mask
+from optax_gsam._src.ascent import select_leaves
 from optax_gsam._src.arrays import compute_dtype
 from optax_gsam._src.arrays import numbers_as_arrays
 from optax_gsam._src.microbatch import accumulated
@@ -88,6 +92,7 @@ def momentum_sam(
   axis_name: AxisName = None,
   check_axis: bool = True,
   microbatches: int | None = None,
+  mask: MaskOrFn = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Momentum-SAM (MSAM): perturb along past gradients, evaluate one gradient.
 
@@ -129,6 +134,9 @@ def momentum_sam(
       with ``loss_fn(params, microbatch)`` evaluates the perturbed gradient of
       the whole batch as the mean over this many micro-batches, one live at a
       time.
+    mask: as in :func:`optax_gsam.gsam`: only the selected leaves are moved,
+      along :math:`m \odot v_t / \|m \odot v_t\|`; the gradient of every leaf
+      is taken at the perturbed point, and :math:`v_t` keeps every leaf.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` with state
@@ -155,6 +163,7 @@ def momentum_sam(
   check_positive("eps", eps)
   check_axis_name(axis_name)
   check_positive_int("microbatches", microbatches, allow_none=True)
+  check_mask(mask)
   if not isinstance(check_axis, bool):
     raise ValueError(f"check_axis must be a bool, got {check_axis!r}.")
 
@@ -190,8 +199,9 @@ def momentum_sam(
     rho_t = value_at(rho, state.count)
     rho_ok = jnp.isfinite(rho_t) & (rho_t >= 0)  # else the clean gradient, counted
     safe_rho = jnp.where(rho_ok, rho_t, jnp.zeros_like(rho_t))
-    scale = -safe_rho / (pert.stable_global_norm(state.momentum) + eps)
-    perturbed = jax.tree.map(lambda w, v: w + (scale * v).astype(w.dtype), params, state.momentum)
+    direction = select_leaves(resolve_mask(mask, params), state.momentum)
+    scale = -safe_rho / (pert.stable_global_norm(direction) + eps)
+    perturbed = jax.tree.map(lambda w, v: w + (scale * v).astype(w.dtype), params, direction)
     value, grads = grad_fn(perturbed)
     loss = scalar_loss(value)
     if axis_name is not None:
