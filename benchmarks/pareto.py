@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -563,6 +564,13 @@ def plot(rows: list[dict], path: Path, x_key: str = "step_cost") -> None:
     if sam is not None:
       band = (100 * (sam["acc_mean"] - sam["acc_std"]), 100 * (sam["acc_mean"] + sam["acc_std"]))
       ax.axhspan(*band, color="tab:orange", alpha=0.12, label="SAM ± std")
+    base = next((r for r in here if r["contender"] == "base"), None)
+    if base is not None:
+      band = (
+        100 * (base["acc_mean"] - base["acc_std"]),
+        100 * (base["acc_mean"] + base["acc_std"]),
+      )
+      ax.axhspan(*band, color="tab:gray", alpha=0.12, label="base ± std")
     ax.axvline(limit, color="k", ls="--", lw=0.8, label=f"{limit}x base")
     # A contender far below the rest is drawn on the bottom edge, its accuracy in the label.
     top = max(100 * r["acc_mean"] for r in here)
@@ -657,12 +665,25 @@ def parse_args(argv: list[str] | None):
     help="tune each key's lr and rho together (3 x 3; the base: 9 lrs) on mnist1d-ln, with"
     " JOINT_CONTENDERS, and report the share of SAM's gain each policy keeps",
   )
+  parser.add_argument(
+    "--replot",
+    nargs=2,
+    metavar=("PNG", "JSON"),
+    default=None,
+    help="draw the rows of one or more result files (comma-separated JSONs) against gradient"
+    " evaluations into PNG, and run nothing (docs/choosing.md's figure)",
+  )
   return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> dict:
   """Runs the benchmark; prints the tables, writes JSON (and a PNG unless ``--no-plot``)."""
   args = parse_args(argv)
+  if args.replot:
+    png, files = args.replot
+    rows = [r for f in files.split(",") for r in json.loads(Path(f).read_text())["rows"]]
+    plot(rows, Path(png), x_key="base_steps")
+    return {"rows": rows}
   mode = "quick" if args.quick else "full"
   seeds = args.seeds or (2 if args.quick else 5)
   rounds = args.rounds or (2 if args.quick else 60)
