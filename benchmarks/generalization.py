@@ -102,7 +102,7 @@ GRIDS = {
   "vasso": (RHO_GRID, (0.0,)),
   "sam 2-step": (RHO_GRID, (0.0,)),
   # SAM-ON moves the 1024 LayerNorm parameters alone; its paper's radii are larger.
-  "sam-on": ((0.2, 0.5, 1.0, 2.0), (0.0,)),
+  "sam-on": ((0.5, 1.0, 2.0, 4.0), (0.0,)),
 }
 # Chosen with --tune (generalization_tune.json).
 DEFAULTS: dict[str, dict[str, float]] = {
