@@ -101,8 +101,9 @@ GRIDS = {
   "friendly-sam": (RHO_GRID, (0.0,)),
   "vasso": (RHO_GRID, (0.0,)),
   "sam 2-step": (RHO_GRID, (0.0,)),
-  # SAM-ON moves the 1024 LayerNorm parameters alone; its paper's radii are larger.
-  "sam-on": ((0.5, 1.0, 2.0, 4.0), (0.0,)),
+  # SAM-ON moves the 1024 LayerNorm parameters alone: its best radii are far larger
+  # (sweeps over 0.2-2 and 0.5-4 chose their top value).
+  "sam-on": ((2.0, 4.0, 8.0, 16.0), (0.0,)),
 }
 # Chosen with --tune (generalization_tune.json).
 DEFAULTS: dict[str, dict[str, float]] = {
