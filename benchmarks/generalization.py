@@ -120,7 +120,7 @@ DEFAULTS: dict[str, dict[str, float]] = {
 NORM_DEFAULTS: dict[str, dict[str, float]] = {
   "base": {"lr": 1e-3, "rho": 0.0, "alpha": 0.0},
   "sam": {"lr": 1e-3, "rho": 0.4, "alpha": 0.0},
-  "sam-on": {"lr": 1e-3, "rho": 1.0, "alpha": 0.0},
+  "sam-on": {"lr": 1e-3, "rho": 4.0, "alpha": 0.0},  # generalization_tune_ln_sam_on.json
 }
 METRICS = (
   "accuracy",
