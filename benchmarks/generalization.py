@@ -101,10 +101,12 @@ GRIDS = {
   "friendly-sam": (RHO_GRID, (0.0,)),
   "vasso": (RHO_GRID, (0.0,)),
   "sam 2-step": (RHO_GRID, (0.0,)),
-  # SAM-ON moves the 1024 LayerNorm parameters alone: its best radii are far larger
-  # (sweeps over 0.2-2 and 0.5-4 chose their top value).
-  "sam-on": ((2.0, 4.0, 8.0, 16.0), (0.0,)),
 }
+# --norm's sweep: SAM-ON moves the 1024 LayerNorm parameters alone, and its best radii are far
+# larger (sweeps over 0.2-2 and 0.5-4 chose their top value); SAM's grid and the learning rates
+# reach past the values the first --norm sweep chose on an edge (rho 0.4, lr 1e-3).
+NORM_LR_GRID = (5e-4, 1e-3, 2e-3)
+NORM_GRIDS = {"sam": ((0.2, 0.4, 0.8, 1.6), (0.0,)), "sam-on": ((2.0, 4.0, 8.0, 16.0), (0.0,))}
 # Chosen with --tune (generalization_tune.json).
 DEFAULTS: dict[str, dict[str, float]] = {
   "base": {"lr": 1e-3, "rho": 0.0, "alpha": 0.0},
@@ -265,16 +267,27 @@ def plot_sharpness(rows: list[dict], noises: list, names: list, path: Path) -> N
   harness.save_figure(fig, path)
 
 
+def contender_names(args) -> tuple[str, ...]:
+  """``--contenders``, or the default set; ``--norm`` has its own set and values."""
+  if not args.norm:
+    return tuple(args.contenders or DEFAULT_CONTENDERS)
+  names = tuple(args.contenders or NORM_CONTENDERS)
+  if set(names) - set(NORM_CONTENDERS):
+    raise SystemExit(f"--norm trains {NORM_CONTENDERS} only, got {names}")
+  return names
+
+
 def tune(args, argv) -> dict:
   """The sweep behind :data:`DEFAULTS`, on a validation split at :data:`TUNE_NOISE` label noise."""
   task = NORM_TASK if args.norm else TASK
   task = dataclasses.replace(task, noise_levels=(TUNE_NOISE,), epochs=args.epochs or TUNE_EPOCHS)
   seeds = args.seeds or TUNE_SEEDS
-  names = args.contenders or (NORM_CONTENDERS if args.norm else DEFAULT_CONTENDERS)
+  names = contender_names(args)
   keys = {"base", *(c.hparams for n, c in CONTENDERS.items() if n in names)}
   tuned_with = {key: CONTENDERS[key] for key in keys}
-  grids = {key: grid for key, grid in GRIDS.items() if key in keys}
-  chosen, sweep = harness.tune(task, tuned_with, LR_GRID, grids, seeds=seeds)
+  grids = {key: grid for key, grid in (NORM_GRIDS if args.norm else GRIDS).items() if key in keys}
+  lr_grid = NORM_LR_GRID if args.norm else LR_GRID
+  chosen, sweep = harness.tune(task, tuned_with, lr_grid, grids, seeds=seeds)
   print(f"best: {chosen[TUNE_NOISE]}")
   result = {"noise": TUNE_NOISE, "epochs": task.epochs, "seeds": seeds, "sweep": sweep}
   result = {**result, "model": task.model.__class__.__name__, "best": chosen[TUNE_NOISE]}
@@ -353,7 +366,7 @@ def main(argv: list[str] | None = None) -> dict:
   seeds = args.seeds or (2 if args.quick else 6)
   task = NORM_TASK if args.norm else TASK
   task = dataclasses.replace(task, epochs=args.epochs or (20 if args.quick else TASK.epochs))
-  names = args.contenders or (NORM_CONTENDERS if args.norm else DEFAULT_CONTENDERS)
+  names = contender_names(args)
   contenders = {n: c for n, c in CONTENDERS.items() if n in names}
   defaults = NORM_DEFAULTS if args.norm else DEFAULTS
   hparams = {name: defaults[c.hparams] for name, c in contenders.items()}

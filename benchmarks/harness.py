@@ -420,7 +420,10 @@ def tune(
   noises = task.noise_levels
   base_lrs = list(lr_grid)
   if joint and grids:
-    size = max(len(lr_grid) * len(rhos) * len(alphas) for rhos, alphas in grids.values())
+    sizes = {len(lr_grid) * len(rhos) * len(alphas) for rhos, alphas in grids.values()}
+    if len(sizes) != 1:
+      raise ValueError(f"joint tuning needs grids of one size for every key, got sizes {sizes}")
+    [size] = sizes
     base_lrs = np.geomspace(min(lr_grid), max(lr_grid), size).tolist()
   chosen = {
     n: {"base": p}

@@ -305,7 +305,9 @@ def step_cost_of(
   }
 
 
-def vit_overhead(contenders: dict[str, Contender], *, quick: bool, **timing) -> list[dict]:
+def vit_overhead(
+  contenders: dict[str, Contender], *, quick: bool, base_kind: str = "adamw", **timing
+) -> list[dict]:
   """On step_cost.py's ViT-tiny: each policy's cheap step (``perturb=False``) vs the base step."""
   model = ViT(width=16, depth=1, heads=2) if quick else ViT()
   size, batch = (8, 4) if quick else (32, 32)
@@ -320,6 +322,7 @@ def vit_overhead(contenders: dict[str, Contender], *, quick: bool, **timing) -> 
     {n: dataclasses.replace(c, branches=("cheap",)) for n, c in cheap.items()},
     {},
     1000,
+    base_kind,
     **timing,
   )
   return [
@@ -409,7 +412,7 @@ def check_targets(
   return checks
 
 
-def gain_shares(rows: list[dict], contenders: dict[str, Contender]) -> list[dict]:
+def gain_shares(rows: list[dict]) -> list[dict]:
   """Per (base, data set, noise): SAM's gain over the base, and the share each policy keeps.
 
   The share is ``(acc_policy - acc_base) / (acc_sam - acc_base)`` (mean accuracies); SAM's
@@ -427,7 +430,8 @@ def gain_shares(rows: list[dict], contenders: dict[str, Contender]) -> list[dict
     gain = sam["acc_mean"] - base["acc_mean"]
     shares = {
       name: {
-        "share": (r["acc_mean"] - base["acc_mean"]) / gain if gain else None,
+        # No gain to keep: no share (a negative gain would flip its sign).
+        "share": (r["acc_mean"] - base["acc_mean"]) / gain if gain > 0 else None,
         "base_steps": r["base_steps"],
       }
       for name, r in here.items()
@@ -440,6 +444,7 @@ def gain_shares(rows: list[dict], contenders: dict[str, Contender]) -> list[dict
         "noise": setting[2],
         "sam_gain": gain,
         "gain_std": max(base["acc_std"], sam["acc_std"]),
+        "seeds": min(base["seeds"], sam["seeds"]),
         "shares": shares,
       }
     )
@@ -450,13 +455,14 @@ def check_gain_shares(shares: list[dict], contenders: dict[str, Contender]) -> l
   """Target (e): where SAM beats the base by > 1 std, a policy at <= 1.05 base steps keeps 90%."""
   kept = []
   for s in shares:
-    if s["sam_gain"] <= s["gain_std"]:
+    if s["sam_gain"] <= s["gain_std"] or s.get("seeds", 2) < 2:  # one seed has no std
       continue
     winners = [
       f"{name} {100 * v['share']:.0f}%"
       for name, v in s["shares"].items()
       if contenders[name].cheap_policy
       and v["base_steps"] <= GAIN_COST_LIMIT + 1e-9
+      and v["share"] is not None
       and v["share"] >= GAIN_SHARE
     ]
     kept.append((f"{s['base_optimizer']} {s['dataset']} {100 * s['noise']:.0f}%", winners))
@@ -564,11 +570,11 @@ def plot(rows: list[dict], path: Path, x_key: str = "step_cost") -> None:
     if sam is not None:
       band = (100 * (sam["acc_mean"] - sam["acc_std"]), 100 * (sam["acc_mean"] + sam["acc_std"]))
       ax.axhspan(*band, color="tab:orange", alpha=0.12, label="SAM ± std")
-    base = next((r for r in here if r["contender"] == "base"), None)
-    if base is not None:
+    base_row = next((r for r in here if r["contender"] == "base"), None)
+    if base_row is not None:
       band = (
-        100 * (base["acc_mean"] - base["acc_std"]),
-        100 * (base["acc_mean"] + base["acc_std"]),
+        100 * (base_row["acc_mean"] - base_row["acc_std"]),
+        100 * (base_row["acc_mean"] + base_row["acc_std"]),
       )
       ax.axhspan(*band, color="tab:gray", alpha=0.12, label="base ± std")
     ax.axvline(limit, color="k", ls="--", lw=0.8, label=f"{limit}x base")
@@ -670,8 +676,9 @@ def parse_args(argv: list[str] | None):
     nargs=2,
     metavar=("PNG", "JSON"),
     default=None,
-    help="draw the rows of one or more result files (comma-separated JSONs) against gradient"
-    " evaluations into PNG, and run nothing (docs/choosing.md's figure)",
+    help="draw the rows of --joint result files (comma-separated JSONs) against gradient"
+    " evaluations into PNG, write their gain shares and target (e) beside it (.json), and"
+    " train nothing (docs/choosing.md's figure)",
   )
   return parser.parse_args(argv)
 
@@ -679,11 +686,18 @@ def parse_args(argv: list[str] | None):
 def main(argv: list[str] | None = None) -> dict:
   """Runs the benchmark; prints the tables, writes JSON (and a PNG unless ``--no-plot``)."""
   args = parse_args(argv)
-  if args.replot:
+  if not args.joint and (args.base != "adamw" or "mnist1d-ln" in (args.datasets or ())):
+    raise SystemExit("--base sgd and mnist1d-ln have grids only under --joint: add --joint.")
+  if args.replot:  # also the gain shares and target (e) over all the files' rows
     png, files = args.replot
     rows = [r for f in files.split(",") for r in json.loads(Path(f).read_text())["rows"]]
     plot(rows, Path(png), x_key="base_steps")
-    return {"rows": rows}
+    shares = gain_shares(rows)
+    print(format_shares(shares))
+    summary = {"files": files.split(","), "gain_shares": shares}
+    summary["targets"] = check_gain_shares(shares, CONTENDERS)
+    Path(png).with_suffix(".json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
   mode = "quick" if args.quick else "full"
   seeds = args.seeds or (2 if args.quick else 5)
   rounds = args.rounds or (2 if args.quick else 60)
@@ -731,12 +745,13 @@ def main(argv: list[str] | None = None) -> dict:
     overhead = vit_overhead(
       contenders,
       quick=args.quick,
+      base_kind=args.base,
       rounds=2 if args.quick else 100,
       steps=1,
       compiler_options=options,
     )
     print(format_overhead(overhead))
-  shares = gain_shares(rows, contenders)
+  shares = gain_shares(rows)
   if shares:
     print("Share of SAM's gain over the base that each contender keeps:")
     print(format_shares(shares))

@@ -148,6 +148,7 @@ def test_pareto_gain_share_target():
     "acc_mean": acc,
     "acc_std": std,
     "base_steps": steps,
+    "seeds": 5,
   }
   rows = [
     row("base", 0.80, 0.01, 1.0),
@@ -155,13 +156,15 @@ def test_pareto_gain_share_target():
     row("late-phase-5", 0.895, 0.01, 1.05),  # keeps 95% at 1.05 base steps
     row("every-5", 0.90, 0.01, 1.2),  # keeps all, but costs too much
   ]
-  [shares] = pareto.gain_shares(rows, pareto.CONTENDERS)
+  [shares] = pareto.gain_shares(rows)
   assert shares["sam_gain"] == pytest.approx(0.1)
   assert shares["shares"]["late-phase-5"]["share"] == pytest.approx(0.95)
   [one] = pareto.check_gain_shares([shares], pareto.CONTENDERS)
   assert "late-phase-5 95%" in one["value"] and "every-5" not in one["value"] and not one["met"]
   [two] = pareto.check_gain_shares([shares, {**shares, "noise": 0.4}], pareto.CONTENDERS)
   assert two["met"]
+  [worse] = pareto.gain_shares([*rows[:1], row("sam", 0.79, 0.01, 2.0), *rows[2:]])
+  assert worse["shares"]["late-phase-5"]["share"] is None  # no gain: no share to keep
   small_gain = {**shares, "gain_std": 0.2}  # SAM within one std of the base: not counted
   assert pareto.check_gain_shares([small_gain], pareto.CONTENDERS)[0]["value"] == "no such setting"
 
