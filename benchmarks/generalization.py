@@ -104,8 +104,8 @@ GRIDS = {
 }
 # --norm's sweep: SAM-ON moves the 1024 LayerNorm parameters alone, and its best radii are far
 # larger (sweeps over 0.2-2 and 0.5-4 chose their top value); SAM's grid and the learning rates
-# reach past the values the first --norm sweep chose on an edge (rho 0.4, lr 1e-3).
-NORM_LR_GRID = (5e-4, 1e-3, 2e-3)
+# reach past the values the first --norm sweeps chose on an edge (rho 0.4; lr 1e-3, then 5e-4).
+NORM_LR_GRID = (1.25e-4, 2.5e-4, 5e-4, 1e-3)
 NORM_GRIDS = {"sam": ((0.2, 0.4, 0.8, 1.6), (0.0,)), "sam-on": ((2.0, 4.0, 8.0, 16.0), (0.0,))}
 # Chosen with --tune (generalization_tune.json).
 DEFAULTS: dict[str, dict[str, float]] = {
