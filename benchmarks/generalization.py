@@ -102,11 +102,13 @@ GRIDS = {
   "vasso": (RHO_GRID, (0.0,)),
   "sam 2-step": (RHO_GRID, (0.0,)),
 }
-# --norm's sweep: SAM-ON moves the 1024 LayerNorm parameters alone, and its best radii are far
-# larger (sweeps over 0.2-2 and 0.5-4 chose their top value); SAM's grid and the learning rates
-# reach past the values the first --norm sweeps chose on an edge (rho 0.4; lr 1e-3, then 5e-4).
+# --norm's sweep tunes each key's learning rate and rho together (harness.tune(joint=True)), 4 x 4
+# points, the base 16 learning rates: tuning the base's rate first, then rho at it, left every
+# key on a grid edge (the base's rate fell from 1e-3 to 1.25e-4 over three sweeps, and SAM-ON's
+# best rho moved with it, from 4 to 2). SAM-ON moves the 1024 LayerNorm parameters alone: its
+# radii are ten times SAM's.
 NORM_LR_GRID = (1.25e-4, 2.5e-4, 5e-4, 1e-3)
-NORM_GRIDS = {"sam": ((0.2, 0.4, 0.8, 1.6), (0.0,)), "sam-on": ((2.0, 4.0, 8.0, 16.0), (0.0,))}
+NORM_GRIDS = {"sam": ((0.1, 0.2, 0.4, 0.8), (0.0,)), "sam-on": ((1.0, 2.0, 4.0, 8.0), (0.0,))}
 # Chosen with --tune (generalization_tune.json).
 DEFAULTS: dict[str, dict[str, float]] = {
   "base": {"lr": 1e-3, "rho": 0.0, "alpha": 0.0},
@@ -287,7 +289,7 @@ def tune(args, argv) -> dict:
   tuned_with = {key: CONTENDERS[key] for key in keys}
   grids = {key: grid for key, grid in (NORM_GRIDS if args.norm else GRIDS).items() if key in keys}
   lr_grid = NORM_LR_GRID if args.norm else LR_GRID
-  chosen, sweep = harness.tune(task, tuned_with, lr_grid, grids, seeds=seeds)
+  chosen, sweep = harness.tune(task, tuned_with, lr_grid, grids, seeds=seeds, joint=args.norm)
   print(f"best: {chosen[TUNE_NOISE]}")
   result = {"noise": TUNE_NOISE, "epochs": task.epochs, "seeds": seeds, "sweep": sweep}
   result = {**result, "model": task.model.__class__.__name__, "best": chosen[TUNE_NOISE]}
