@@ -205,6 +205,59 @@ TUNED_WITH = {
 }
 
 
+def _chosen(**points: tuple[float, float]) -> dict[str, dict[str, float]]:
+  """One noise level's jointly tuned values, ``key=(lr, rho)`` (``late_5`` for ``late-5``...)."""
+  out = {}
+  for name, (lr, rho) in points.items():
+    key = name.replace("_", "-")
+    out[key] = {"lr": lr, "rho": rho, "alpha": GSAM_ALPHA if key.startswith("gsam") else 0.0}
+  return out
+
+
+_BASE_LRS = np.geomspace(1e-2, 8e-2, 9).tolist()  # AdamW's 9 base learning rates under --joint
+# What the last --joint run chose per base and noise level; --joint --no-tune trains with them.
+JOINT_DEFAULTS: dict[str, dict[float, dict[str, dict[str, float]]]] = {
+  "adamw": {
+    0.0: _chosen(
+      base=(_BASE_LRS[6], 0.0),
+      sam=(0.028, 0.05),
+      gsam=(0.028, 0.1),
+      msam=(0.028, 0.1),
+      friendly_sam=(0.028, 0.05),
+      vasso=(0.01, 0.05),
+      sam_2step=(0.028, 0.05),
+      sam_on=(0.028, 0.2),
+      every_20=(0.028, 0.05),
+      late_5=(0.028, 0.05),
+    ),
+    0.2: _chosen(
+      base=(0.08, 0.0),
+      sam=(0.028, 0.2),
+      gsam=(0.028, 0.2),
+      msam=(0.08, 0.1),
+      friendly_sam=(0.028, 0.2),
+      vasso=(0.028, 0.1),
+      sam_2step=(0.028, 0.2),
+      sam_on=(0.01, 1.0),
+      every_20=(0.08, 0.05),
+      late_5=(0.08, 0.05),
+    ),
+    0.4: _chosen(
+      base=(_BASE_LRS[7], 0.0),
+      sam=(0.028, 0.2),
+      gsam=(0.028, 0.1),
+      msam=(0.08, 0.3),
+      friendly_sam=(0.028, 0.2),
+      vasso=(0.028, 0.1),
+      sam_2step=(0.028, 0.2),
+      sam_on=(0.028, 0.5),
+      every_20=(0.08, 0.2),
+      late_5=(0.028, 0.2),
+    ),
+  },
+}
+
+
 def joint_grids() -> dict[str, tuple[tuple[float, ...], tuple[float, ...]]]:
   """Per key, the rho (and alpha) grid of --joint; the learning rate is JOINT_LR_GRIDS'."""
   keyed = {k: JOINT_RHO_GRIDS.get(k, JOINT_RHO_GRIDS["sam"]) for k in TUNED_WITH if k != "base"}
@@ -677,8 +730,8 @@ def parse_args(argv: list[str] | None):
     metavar=("PNG", "JSON"),
     default=None,
     help="draw the rows of --joint result files (comma-separated JSONs) against gradient"
-    " evaluations into PNG, write their gain shares and target (e) beside it (.json), and"
-    " train nothing (docs/choosing.md's figure)",
+    " evaluations into PNG, write their gain shares and target (e) beside it (<PNG>_shares.json),"
+    " and train nothing (docs/choosing.md's figure)",
   )
   return parser.parse_args(argv)
 
@@ -696,13 +749,16 @@ def main(argv: list[str] | None = None) -> dict:
     print(format_shares(shares))
     summary = {"files": files.split(","), "gain_shares": shares}
     summary["targets"] = check_gain_shares(shares, CONTENDERS)
-    Path(png).with_suffix(".json").write_text(json.dumps(summary, indent=2) + "\n")
+    Path(png).with_name(f"{Path(png).stem}_shares.json").write_text(
+      json.dumps(summary, indent=2) + "\n"
+    )
     return summary
   mode = "quick" if args.quick else "full"
   seeds = args.seeds or (2 if args.quick else 5)
   rounds = args.rounds or (2 if args.quick else 60)
-  # --joint always tunes (no DEFAULTS for mnist1d-ln); the rest tune unless --quick/--no-tune.
-  tune_enabled = args.joint or not (args.quick or args.no_tune)
+  # --joint tunes unless --no-tune (JOINT_DEFAULTS), even with --quick; the rest tune unless
+  # --quick or --no-tune (DEFAULTS).
+  tune_enabled = not args.no_tune if args.joint else not (args.quick or args.no_tune)
   options = QUICK_COMPILER_OPTIONS if args.quick else None
   start = time.perf_counter()
   names = args.contenders or (JOINT_CONTENDERS if args.joint else DEFAULT_CONTENDERS)
@@ -732,6 +788,8 @@ def main(argv: list[str] | None = None) -> dict:
       chosen, sweeps[task.name] = harness.tune(
         task, tuning, lr_grid, task_grids, seeds=args.tune_seeds, joint=args.joint
       )
+    elif args.joint:
+      chosen = {n: JOINT_DEFAULTS[args.base][n] for n in noises}
     else:
       chosen = {n: DEFAULTS[task.name][n] for n in noises}
     tuned[task.name] = {str(n): v for n, v in chosen.items()}
