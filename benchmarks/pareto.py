@@ -17,7 +17,7 @@ each contender keeps. ``--base sgd`` swaps AdamW for SGD with momentum.
     python benchmarks/pareto.py                     # full: tuning, 5 seeds (~60 min, 2 cores)
     python benchmarks/pareto.py --quick             # smoke run: small MNIST-1D, 2 epochs, DEFAULTS
     python benchmarks/pareto.py --no-tune --seeds 3 # the full run without tuning
-    python benchmarks/pareto.py --joint --base sgd --tune-seeds 2 --no-vit   # ~30 min each base
+    python benchmarks/pareto.py --joint --base sgd --tune-seeds 2 --no-vit   # ~60 min, 2 cores
 
 Writes ``results/pareto[_quick][_joint][_sgd].json`` (``rows``: base_optimizer,
 dataset, noise, contender, acc_mean, acc_std, seeds, step_cost, base_steps, ...;
