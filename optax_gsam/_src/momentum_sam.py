@@ -12,12 +12,12 @@ import optax
 
 from optax_gsam._src import perturbation as pert
 from optax_gsam._src import step
+from optax_gsam._src.arrays import compute_dtype
+from optax_gsam._src.arrays import numbers_as_arrays
 from optax_gsam._src.ascent import MaskOrFn
 from optax_gsam._src.ascent import check_mask
 from optax_gsam._src.ascent import resolve_mask
 from optax_gsam._src.ascent import select_leaves
-from optax_gsam._src.arrays import compute_dtype
-from optax_gsam._src.arrays import numbers_as_arrays
 from optax_gsam._src.microbatch import accumulated
 from optax_gsam._src.microbatch import microbatch_fns
 from optax_gsam._src.placement import check_placement
