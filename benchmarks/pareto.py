@@ -786,7 +786,13 @@ def main(argv: list[str] | None = None) -> dict:
       task_grids = {k: g for k, g in all_grids.items() if k in keys}
       lr_grid = JOINT_LR_GRIDS[args.base] if args.joint else LR_GRIDS[task.name]
       chosen, sweeps[task.name] = harness.tune(
-        task, tuning, lr_grid, task_grids, seeds=args.tune_seeds, joint=args.joint
+        task,
+        tuning,
+        lr_grid,
+        task_grids,
+        seeds=args.tune_seeds,
+        joint=args.joint,
+        compiler_options=options,
       )
     elif args.joint:
       chosen = {n: JOINT_DEFAULTS[args.base][n] for n in noises}
