@@ -3,7 +3,10 @@
 Dtypes: arithmetic runs in at least float32 (``compute_dtype``; float64 and
 complex stay as they are) and reductions accumulate in the matching real dtype
 (``real_dtype``). Layout: a batch split into equal row blocks and a remainder,
-and back. Sharding: marking values device-varying under ``jax.shard_map``.
+and back. Sharding: buffers that keep the shardings of the values they stand
+beside (under explicit mesh axes, ``jnp.where``, ``lax.cond`` and scan carries
+refuse operands of different shardings), and values marked device-varying
+under ``jax.shard_map``.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 
 def compute_dtype(dtype: Any) -> np.dtype:
@@ -33,6 +37,46 @@ def upcast(x: Any) -> jax.Array:
   """``x`` as an array in its :func:`compute_dtype`."""
   x = jnp.asarray(x)
   return x.astype(compute_dtype(x.dtype))
+
+
+def zeros_accumulator(x: Any) -> jax.Array:
+  """Zeros with the shape and sharding of ``x`` (an array or ``jax.ShapeDtypeStruct``), in its
+  :func:`compute_dtype`: a running sum or a state buffer that lives beside ``x``.
+
+  ``jnp.zeros(shape)`` would be replicated; under explicit mesh axes a scan
+  carry or a select that meets the sharded ``x`` then fails, and under Auto
+  axes it can hold a full copy of a sharded parameter on every device.
+  """
+  return jnp.zeros_like(x, dtype=compute_dtype(x.dtype))
+
+
+def _explicit_sharding(x: Any) -> Any:
+  """The sharding of ``x`` where its mesh has explicit axes, else None (Auto, no mesh)."""
+  sharding = getattr(jax.typeof(x), "sharding", None)
+  axis_types = getattr(getattr(sharding, "mesh", None), "axis_types", ())
+  if not any(kind == jax.sharding.AxisType.Explicit for kind in axis_types):
+    return None
+  return sharding
+
+
+def conform(tree: Any, like: Any) -> Any:
+  """``tree`` with the dtypes of ``like`` and, under explicit mesh axes, its shardings.
+
+  ``optax.tree.cast_like`` for values that meet ``like`` in a ``jnp.where``, a
+  ``lax.cond`` or a state: a state kept replicated while the parameters are
+  sharded (or the reverse) is legitimate, and its new value takes the state's
+  layout. Under Auto axes and without a mesh only the dtypes change.
+  """
+  tree = optax.tree.cast_like(tree, like)
+
+  def reshard(x: Any, reference: Any) -> Any:
+    target = _explicit_sharding(reference)
+    current = _explicit_sharding(x)
+    if target is None or current is None or current.spec == target.spec:
+      return x
+    return jax.sharding.reshard(x, target)
+
+  return jax.tree.map(reshard, tree, like)
 
 
 def numbers_as_arrays(tree: Any) -> Any:

@@ -29,6 +29,7 @@ import optax
 
 from optax_gsam._src.arrays import compute_dtype
 from optax_gsam._src.arrays import upcast
+from optax_gsam._src.arrays import zeros_accumulator
 from optax_gsam._src.perturbation import stable_global_norm
 from optax_gsam._src.validation import check_non_negative
 from optax_gsam._src.validation import check_positive
@@ -51,10 +52,6 @@ def _unit(direction: optax.Updates, eps: float | jax.Array, like: optax.Params) 
 def _moving_average(average: optax.Updates, grads: optax.Updates, decay) -> optax.Updates:
   r""":math:`\lambda m + (1 - \lambda) g`, kept in the average's (float32 at least) dtype."""
   return jax.tree.map(lambda m, g: decay * m + (1.0 - decay) * g.astype(m.dtype), average, grads)
-
-
-def _zeros_in_compute_dtype(params: optax.Params) -> optax.Updates:
-  return jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), compute_dtype(jnp.result_type(p))), params)
 
 
 def normalized_ascent(eps: float | jax.Array = 1e-12) -> optax.GradientTransformation:
@@ -187,7 +184,7 @@ def friendly_ascent(
   check_positive("eps", eps)
 
   def init_fn(params):
-    return FriendlyAscentState(_zeros_in_compute_dtype(params))
+    return FriendlyAscentState(jax.tree.map(zeros_accumulator, params))
 
   def update_fn(grads, state, params=None):
     average = _moving_average(state.gradient_average, grads, decay)
@@ -244,7 +241,7 @@ def vasso_ascent(theta: float = 0.4, *, eps: float = 1e-12) -> optax.GradientTra
   check_positive("eps", eps)
 
   def init_fn(params):
-    return VassoState(_zeros_in_compute_dtype(params))
+    return VassoState(jax.tree.map(zeros_accumulator, params))
 
   def update_fn(grads, state, params=None):
     smoothed = _moving_average(state.smoothed_gradient, grads, 1.0 - theta)

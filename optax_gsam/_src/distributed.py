@@ -37,22 +37,38 @@ def _check_mesh(mesh: Any) -> None:
     )
 
 
-def _placer(mesh: Mesh, axis_name: Hashable) -> Callable[[Any, NamedSharding], Any]:
-  """How to place an input inside ``jit``: by the type of the mesh axis it is split over.
+def _replica_axes(mesh: Mesh, axis_name: Any) -> tuple[Hashable, ...]:
+  """``axis_name`` as a tuple of mesh axes; each must be an axis of ``mesh``, named once."""
+  axes = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+  missing = [a for a in axes if a not in mesh.axis_names]
+  if missing or not axes or len(set(axes)) != len(axes):
+    raise ValueError(
+      f"axis_name={axis_name!r} must name one axis of the mesh {mesh.axis_names}, or a tuple of "
+      "distinct ones (the replica axes the perturbation is separate over)."
+    )
+  return axes
+
+
+def _check_not_manual(mesh: Mesh, axes: tuple[Hashable, ...]) -> None:
+  """A Manual axis means the step is already inside a ``shard_map`` over it."""
+  types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
+  if any(types[a] == AxisType.Manual for a in axes):
+    raise ValueError(
+      f"The mesh axes {axes!r} are Manual: data_parallel is being called inside a "
+      "shard_map over them. Call data_parallel outside any shard_map, on the global mesh "
+      "(e.g. jax.make_mesh((n,), ('data',)))."
+    )
+
+
+def _placer(mesh: Mesh, axes: tuple[Hashable, ...]) -> Callable[[Any, NamedSharding], Any]:
+  """How to place an input inside ``jit``: by the type of the mesh axes it is split over.
 
   ``jax.reshard`` takes Explicit axes only (``jax.make_mesh``'s default); a mesh
   built as ``Mesh(devices, names)`` has Auto axes, which take
-  ``jax.lax.with_sharding_constraint``. A Manual axis means the step is already
-  inside a ``shard_map`` over it.
+  ``jax.lax.with_sharding_constraint``.
   """
-  axis_type = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))[axis_name]
-  if axis_type == AxisType.Manual:
-    raise ValueError(
-      f"The mesh axis {axis_name!r} is Manual: data_parallel is being called inside a "
-      "shard_map over it. Call data_parallel outside any shard_map, on the global mesh "
-      "(e.g. jax.make_mesh((n,), ('data',)))."
-    )
-  if axis_type == AxisType.Explicit:
+  types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
+  if all(types[a] == AxisType.Explicit for a in axes):
     return jax.reshard
   return jax.lax.with_sharding_constraint
 
@@ -116,24 +132,27 @@ def data_parallel(
     >>> w, opt_state, loss = train_step(w, tx.init(w), batch)
   """
   _check_mesh(mesh)
-  if axis_name not in mesh.axis_names:
-    raise ValueError(f"axis_name={axis_name!r} is not an axis of the mesh {mesh.axis_names}.")
+  replica_axes = _replica_axes(mesh, axis_name)
+  _check_not_manual(mesh, replica_axes)
   batch_argnums = _check_argnums("batch_argnums", batch_argnums)
-
-  place = _placer(mesh, axis_name)
+  # Every axis of the mesh is a replica axis: inputs are placed here, so callers may pass host
+  # or unsharded arrays. With other axes, those stay with jit and the inputs keep the layout
+  # the caller gave them over those axes (the model's FSDP or tensor-parallel shardings).
+  place = _placer(mesh, replica_axes) if len(replica_axes) == len(mesh.axis_names) else None
 
   def wrapped(*args):
     in_specs = tuple(P(axis_name) if i in batch_argnums else P() for i in range(len(args)))
-    # Place every input as its spec says, so callers may pass host or unsharded arrays.
-    args = tuple(
-      jax.tree.map(lambda x, spec=spec: place(x, NamedSharding(mesh, spec)), a)
-      for a, spec in zip(args, in_specs, strict=True)
-    )
+    if place is not None:
+      args = tuple(
+        jax.tree.map(lambda x, spec=spec: place(x, NamedSharding(mesh, spec)), a)
+        for a, spec in zip(args, in_specs, strict=True)
+      )
     sharded = jax.shard_map(
       step_fn,
       mesh=mesh,
       in_specs=in_specs,
       out_specs=P() if out_specs is None else out_specs,
+      axis_names=set(replica_axes),
       check_vma=False,
     )
     return sharded(*args)

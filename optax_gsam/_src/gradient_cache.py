@@ -28,10 +28,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_gsam._src.arrays import compute_dtype
 from optax_gsam._src.arrays import join_rows
 from optax_gsam._src.arrays import mark_varying
 from optax_gsam._src.arrays import split_rows
+from optax_gsam._src.arrays import zeros_accumulator
 from optax_gsam._src.validation import check_axis_name
 from optax_gsam._src.validation import check_positive_int
 from optax_gsam.typing import AxisName
@@ -323,9 +323,7 @@ def cached_value_and_grad(
       params, structured
     )
     reps_grads = [reps_grads] if towers_def is None else towers_def.flatten_up_to(reps_grads)
-    accumulator = jax.tree.map(
-      lambda p: jnp.zeros(jnp.shape(p), compute_dtype(jnp.result_type(p))), params
-    )
+    accumulator = jax.tree.map(zeros_accumulator, params)
     if axis_name is not None:
       accumulator = _as_varying(accumulator, axis_name)
     for tower, b, k, o, g in zip(towers, batches, keys, offsets, reps_grads, strict=True):

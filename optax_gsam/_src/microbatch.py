@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_gsam._src.arrays import compute_dtype
+from optax_gsam._src.arrays import zeros_accumulator
 from optax_gsam._src.user_functions import ValueAndGradFn
 from optax_gsam._src.user_functions import ValueAndGradWithArgsFn
 from optax_gsam._src.user_functions import scalar_loss
@@ -69,7 +69,7 @@ def average_over(num_microbatches: int, result_of: Callable[[jax.Array], Any]) -
     return jax.tree.map(lambda t, x: t + x.astype(t.dtype), total, result), None
 
   shapes = jax.eval_shape(result_of, indices[0])
-  initial = jax.tree.map(lambda s: jnp.zeros(s.shape, compute_dtype(s.dtype)), shapes)
+  initial = jax.tree.map(zeros_accumulator, shapes)
   total, _ = jax.lax.scan(body, initial, indices)
   return jax.tree.map(lambda t: t / num_microbatches, total)
 

@@ -12,8 +12,9 @@ import optax
 
 from optax_gsam._src import perturbation as pert
 from optax_gsam._src import step
-from optax_gsam._src.arrays import compute_dtype
+from optax_gsam._src.arrays import conform
 from optax_gsam._src.arrays import numbers_as_arrays
+from optax_gsam._src.arrays import zeros_accumulator
 from optax_gsam._src.ascent import MaskOrFn
 from optax_gsam._src.ascent import check_mask
 from optax_gsam._src.ascent import resolve_mask
@@ -72,7 +73,9 @@ def _next_state(state, grads, loss, rho_t, rho_ok, momentum) -> MomentumSAMState
   """A non-finite gradient does not count and leaves the momentum as it was."""
   finite = step.all_finite(grads)
   momentum_next = jax.tree.map(
-    lambda v, g: jnp.where(finite, momentum * v + g.astype(v.dtype), v), state.momentum, grads
+    lambda v, g: jnp.where(finite, momentum * v + g, v),
+    state.momentum,
+    conform(grads, state.momentum),
   )
   increment = lambda count, flag: jnp.where(flag, optax.safe_increment(count), count)
   return MomentumSAMState(
@@ -175,7 +178,7 @@ def momentum_sam(
       last_rho=jnp.zeros([], jnp.float32),
       perturbed_loss=jnp.zeros([], jnp.float32),
       # Accumulated in float32 at least: bfloat16 would lose the sum's small terms.
-      momentum=jax.tree.map(lambda p: jnp.zeros(p.shape, compute_dtype(p.dtype)), params),
+      momentum=jax.tree.map(zeros_accumulator, params),
       fallback_count=jnp.zeros([], jnp.int32),
     )
 

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import optax
 
 from optax_gsam._src import perturbation as pert
+from optax_gsam._src.arrays import conform
 from optax_gsam._src.ascent import ascent_from_adaptive
 from optax_gsam._src.ascent import resolve_mask
 from optax_gsam._src.ascent import select_leaves
@@ -335,7 +336,7 @@ def cheap_step(
     return BranchResult(
       pert.reuse_direction(
         clean_grads,
-        stored_direction,
+        conform(stored_direction, clean_grads),
         weight,
         scale=policy.reuse_scale,
         max_amplification=policy.max_amplification,
@@ -402,7 +403,7 @@ def fall_back_to_clean(
   if flag is False:
     return result
   gradient = jax.tree.map(
-    lambda c, g: jnp.where(flag, c.astype(g.dtype), g), clean_grads, result.gradient
+    lambda c, g: jnp.where(flag, c, g), conform(clean_grads, result.gradient), result.gradient
   )
   return result._replace(gradient=gradient)
 
@@ -432,12 +433,12 @@ def _outcome(
   if stored is None:
     stored = previous_stored
   elif previous_stored is not None:
-    stored = optax.tree.cast_like(stored, previous_stored)
+    stored = conform(stored, previous_stored)
   diagnostics = previous_diagnostics if result.diagnostics is None else result.diagnostics
   ascent_state = context.ascent_state if result.ascent_state is None else result.ascent_state
   if context.ascent_state is not None:
-    ascent_state = optax.tree.cast_like(ascent_state, context.ascent_state)
-  gradient = optax.tree.cast_like(result.gradient, like)
+    ascent_state = conform(ascent_state, context.ascent_state)
+  gradient = conform(result.gradient, like)
   fell_back = jnp.asarray(fallback) & all_finite(gradient)
   return Outcome(gradient, stored, diagnostics, jnp.asarray(full), fell_back, ascent_state)
 
@@ -565,4 +566,5 @@ def keep_learned(outcome: Outcome, learned: Any, previous: Any) -> Any:
   perturbed_loss_ok = jnp.isfinite(outcome.diagnostics.perturbed_loss)
   keep = outcome.full & all_finite(learned) & perturbed_loss_ok & ~outcome.fell_back
   keep = keep & all_finite(outcome.gradient)
+  learned = conform(learned, previous)
   return jax.tree.map(lambda new, old: jnp.where(keep, new, old), learned, previous)
