@@ -310,3 +310,85 @@ def test_perturbation_groups_over_the_replica_axis_of_an_hsdp_mesh(mode, sync):
   if not sync:  # the groups' perturbations differ, so this is not the whole batch's GSAM
     whole_w, _ = group_reference(w, b, x, t, num_groups=1, sync=False)
     assert np.abs(np.asarray(params["w"]) - whole_w).max() > 1e-6
+
+
+def fsdp_linear_problem(mode):
+  """A linear model with FSDP weights on an 8-device "data" mesh, its batch, and its loss."""
+  rng = np.random.default_rng(2)
+  params = {"w": rng.normal(size=(16, 8)) * 0.5, "b": rng.normal(size=(8,)) * 0.1}
+  batch = (rng.normal(size=(32, 16)), rng.normal(size=(32, 8)))
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(mode,))
+  explicit = mode == AxisType.Explicit
+
+  def loss_fn(p, batch, gather=explicit):
+    w, b = (jax.sharding.reshard(p[k], P()) for k in "wb") if gather else (p["w"], p["b"])
+    return jnp.mean(jnp.logaddexp(0.0, batch[0] @ w + b) * batch[1]) + 0.1 * jnp.sum(w**4)
+
+  return mesh, params, batch, loss_fn
+
+
+MEASURES = {
+  "hessian_eigenvalues": lambda f, p, b: optax_gsam.hessian_eigenvalues(
+    f, p, b, jax.random.key(0), k=2
+  ),
+  "hessian_trace": lambda f, p, b: optax_gsam.hessian_trace(
+    f, p, b, jax.random.key(0), num_probes=4
+  ),
+  "hessian_spectral_density": lambda f, p, b: optax_gsam.hessian_spectral_density(
+    f, p, b, jax.random.key(0), num_probes=2, num_iterations=8
+  ),
+  "m_sharpness": lambda f, p, b: optax_gsam.m_sharpness(f, p, b, rho=0.05),
+}
+
+
+@pytest.mark.parametrize("mode", [AxisType.Auto, AxisType.Explicit], ids=["auto", "explicit"])
+@pytest.mark.parametrize("measure", list(MEASURES))
+def test_sharpness_measures_of_a_sharded_model(measure, mode):
+  with jax.enable_x64(True):
+    mesh, params, batch, loss_fn = fsdp_linear_problem(mode)
+    expected = MEASURES[measure](functools.partial(loss_fn, gather=False), params, batch)
+    with jax.set_mesh(mesh):
+      fsdp = {"w": NamedSharding(mesh, P("data", None)), "b": NamedSharding(mesh, P("data"))}
+      rows = NamedSharding(mesh, P("data", None))
+      params, batch = jax.device_put(params, fsdp), jax.device_put(batch, rows)
+      actual = jax.jit(functools.partial(MEASURES[measure], loss_fn))(params, batch)
+  assert_close(actual, expected, measure)
+
+
+@pytest.mark.parametrize("mode", [AxisType.Auto, AxisType.Explicit], ids=["auto", "explicit"])
+def test_gsam_with_the_gradient_cache_on_sharded_params(mode):
+  """The cached gradient of a contrastive loss drives GSAM's two passes, params sharded."""
+  tx = optax.chain(optax_gsam.gsam(0.1, 0.3), optax.sgd(0.05))
+
+  def run(params, x, gather):
+    place = (lambda v: jax.sharding.reshard(v, P())) if gather else (lambda v: v)
+    embed = lambda p, chunk: jnp.tanh(chunk @ place(p["w"]))
+    contrastive = lambda p, r: jnp.mean(jax.nn.logsumexp(p["s"] * place(r) @ place(r).T, axis=1))
+    value_and_grad = optax_gsam.cached_value_and_grad(embed, contrastive, chunk_size=8)
+
+    @jax.jit
+    def step(params, opt_state):
+      loss, grads = value_and_grad(params, x)
+      fn = lambda p: value_and_grad(p, x)
+      updates, opt_state = tx.update(grads, opt_state, params, value_and_grad_fn=fn, value=loss)
+      return optax.apply_updates(params, updates), opt_state
+
+    opt_state = tx.init(params)
+    for _ in range(2):
+      params, opt_state = step(params, opt_state)
+    return params, opt_state
+
+  rng = np.random.default_rng(3)
+  params = {"w": rng.normal(size=(16, 8)) * 0.3, "s": np.float64(2.0)}
+  x = rng.normal(size=(32, 16))
+  with jax.enable_x64(True):
+    expected = run(params, x, gather=False)
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(mode,))
+    with jax.set_mesh(mesh):
+      sharded = {"w": NamedSharding(mesh, P("data", None)), "s": NamedSharding(mesh, P())}
+      params = jax.device_put(params, sharded)
+      x = jax.device_put(x, NamedSharding(mesh, P("data", None)))
+      actual = run(params, x, gather=mode == AxisType.Explicit)
+  assert_close(actual, expected, "gradient cache")
+  assert actual[0]["w"].sharding.is_equivalent_to(sharded["w"], 2)
+  assert_no_replicated_params_buffer(actual[1], params)

@@ -100,17 +100,46 @@ def split_rows(tree: Any, size: int) -> tuple[Any, Any]:
 
   def blocks(x):
     x = x if x.shape[0] == whole else x[:whole]
-    return x.reshape((num_blocks, size, *x.shape[1:]))
+    shape = (num_blocks, size, *x.shape[1:])
+    return jax.lax.reshape(x, shape, out_sharding=_blocks_sharding(x, size))
 
   head = jax.tree.map(blocks, tree) if num_blocks else None
   tail = jax.tree.map(lambda x: x[whole:], tree) if total > whole else None
   return head, tail
 
 
+def _blocks_sharding(x: jax.Array, size: int) -> Any:
+  """Under explicit axes, the layout of ``x``'s rows as ``[blocks, size, ...]``; else None.
+
+  The blocks axis is scanned over, so it stays whole; the rows of each block
+  are sharded as the rows of ``x`` were (each block spread over the devices,
+  which then work on it in parallel), where the block size allows.
+  """
+  sharding = _explicit_sharding(x)
+  if sharding is None:
+    return None
+  spec = (*sharding.spec, *(None,) * (x.ndim - len(sharding.spec)))
+  rows, rest = spec[0], spec[1:]
+  axes = rows if isinstance(rows, tuple) else () if rows is None else (rows,)
+  devices = int(np.prod([sharding.mesh.shape[a] for a in axes]))
+  within = rows if axes and size % devices == 0 else None
+  return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(None, within, *rest))
+
+
+def _merge_blocks(x: jax.Array) -> jax.Array:
+  """``[blocks, size, ...]`` back to rows; under explicit axes, rows sharded as the blocks' rows."""
+  sharding = _explicit_sharding(x)
+  out = None
+  if sharding is not None:
+    spec = (*sharding.spec, *(None,) * (x.ndim - len(sharding.spec)))
+    out = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec[1:]))
+  return jax.lax.reshape(x, (x.shape[0] * x.shape[1], *x.shape[2:]), out_sharding=out)
+
+
 def join_rows(head: Any, tail: Any) -> Any:
   """The inverse of :func:`split_rows`."""
   if head is not None:
-    head = jax.tree.map(lambda x: x.reshape((-1, *x.shape[2:])), head)
+    head = jax.tree.map(_merge_blocks, head)
   if head is None or tail is None:
     return tail if head is None else head
   return jax.tree.map(lambda a, b: jnp.concatenate([a, b]), head, tail)

@@ -28,6 +28,7 @@ import numpy as np
 from jax.flatten_util import ravel_pytree
 
 from optax_gsam._src.arrays import compute_dtype
+from optax_gsam._src.arrays import conform
 from optax_gsam._src.distributed import data_parallel
 from optax_gsam._src.validation import check_axis_name
 from optax_gsam._src.validation import check_positive_int
@@ -119,7 +120,9 @@ def flat_hvp(
   def one_batch(v: jax.Array, batch: Any) -> jax.Array:
     grad = lambda p: jax.grad(loss_fn)(p, batch)
     _, hv = jax.jvp(grad, (params,), (unravel(v.astype(flat.dtype)),))
-    return ravel_pytree(hv)[0].astype(dtype)
+    # H v in v's layout: with sharded params, the flattened product is laid out as the
+    # leaves were, and Lanczos' selects need one layout for all its vectors.
+    return conform(ravel_pytree(hv)[0].astype(dtype), v)
 
   def hvp(v: jax.Array) -> jax.Array:
     hv = batch_mean(lambda b: one_batch(v, b), batches)

@@ -61,7 +61,9 @@ def _group_sharpness(
     return (delta, grads, jnp.maximum(best, upcast(value))), None
 
   loss, grads = value_and_grad(params, group)
-  zeros = jax.tree.map(lambda w: jnp.zeros_like(upcast(w)), params)
+  # Laid out like the gradients the ascent adds to it (sharded parameters' gradients may
+  # come back with another layout than the parameters have).
+  zeros = jax.tree.map(lambda g: jnp.zeros_like(upcast(g)), grads)
   start = (zeros, grads, jnp.full([], -jnp.inf, upcast(loss).dtype))
   (delta, grads, best), _ = jax.lax.scan(body, start, length=ascent_steps - 1)
   last = upcast(loss_fn(perturbed(ascend(delta, grads)), group))
