@@ -283,3 +283,13 @@ def test_bad_arguments_raise_early(call, message):
   loss, params, batch = make_model("mlp")
   with pytest.raises(ValueError, match=message):
     call(loss, params, batch)
+
+
+def test_power_iteration_runs_all_its_iterations_beyond_the_dimension():
+  # H = diag(2, 1.9, 0.2): the error shrinks by (1.9 / 2)^2 a step, so 3 steps are far from 2.
+  loss = lambda w, _: 0.5 * jnp.sum(jnp.array([2.0, 1.9, 0.2]) * w**2)
+  power = lambda n: optax_gsam.hessian_eigenvalues(
+    loss, jnp.ones(3), jnp.zeros(1), KEY, method="power", num_iterations=n
+  )
+  np.testing.assert_allclose(power(400), [2.0], rtol=1e-12)
+  assert abs(float(power(3)[0]) - 2.0) > 1e-3

@@ -280,7 +280,9 @@ def hessian_eigenvalues(
     batch: a fixed batch, or an iterator of equal-sized batches (with ``num_batches``).
     key: the PRNG key of the starting vector.
     k: how many eigenvalues, largest first.
-    num_iterations: Hessian-vector products (capped at the number of parameters).
+    num_iterations: Hessian-vector products. Lanczos caps them at the number of
+      parameters, where its Krylov space is the whole space and its Ritz values
+      are exact; power iteration takes all of them.
     method: ``"lanczos"`` or ``"power"`` (``k=1`` only).
     num_batches: how many batches to take from an iterator ``batch``.
     axis_name: average the products over this data axis (inside a per-device step).
@@ -307,7 +309,8 @@ def hessian_eigenvalues(
     hvp, dim, dtype = flat_hvp(loss_fn, params, batches, axis_name)
     if k > dim:
       raise ValueError(f"k={k} eigenvalues asked of a Hessian of dimension {dim}.")
-    steps = min(num_iterations, dim)
+    # Lanczos is exact after dim steps (the Krylov space is complete); power iteration is not.
+    steps = num_iterations if method == "power" else min(num_iterations, dim)
     on_step = lambda i: report(progress, i + 1, steps)
     v0 = jax.random.normal(key, (dim,), dtype)
     if method == "power":
