@@ -282,6 +282,10 @@ BAD_ARGUMENTS = [
     "params has no float leaves",
   ),
   (
+    lambda f, p, b: optax_gsam.hessian_trace(f, {**p, "act": jnp.tanh}, b, KEY),
+    r"params leaves must be arrays; these are not: \['act'\]",
+  ),
+  (
     lambda f, p, b: optax_gsam.hessian_trace(f, p, b, KEY, mesh=jax.make_mesh((8,), ("data",))),
     "axis_name",
   ),

@@ -160,9 +160,26 @@ def _modulus(leaf: jax.Array, pair: bool) -> jax.Array:
   return jnp.broadcast_to(jnp.sqrt(jnp.sum(leaf**2, axis=-1, keepdims=True)), leaf.shape)
 
 
+def _is_array(x: Any) -> bool:
+  return isinstance(x, (jax.Array, np.ndarray, np.generic, int, float, complex))
+
+
 def param_view(params: Any) -> ParamView:
-  """The :class:`ParamView` of ``params``; a ValueError if no leaf is a float."""
-  fixed, treedef = jax.tree.flatten(params)
+  """The :class:`ParamView` of ``params``; a ValueError if a leaf is no array or none is a float."""
+  with_paths, treedef = jax.tree_util.tree_flatten_with_path(params)
+  odd = [
+    f"{jax.tree_util.keystr(path)} ({type(x).__name__})"
+    for path, x in with_paths
+    if not _is_array(x)
+  ]
+  if odd:
+    raise ValueError(
+      f"params leaves must be arrays; these are not: {', '.join(odd)}. Pass the arrays as "
+      "params and close over the rest in loss_fn, e.g. with Equinox "
+      "`params, static = eqx.partition(model, eqx.is_inexact_array)` and "
+      "`loss_fn = lambda p, batch: loss(eqx.combine(p, static), batch)`."
+    )
+  fixed = [x for _, x in with_paths]
   moving = tuple(i for i, x in enumerate(fixed) if jnp.issubdtype(jnp.result_type(x), jnp.inexact))
   if not moving:
     raise ValueError(
