@@ -196,6 +196,8 @@ def _check_eigen_args(k: int, num_iterations: int, method: str) -> None:
 
 
 class _EigenOptions(NamedTuple):
+  """The static arguments of :func:`hessian_eigenvalues`: with ``loss_fn``, its cache key."""
+
   k: int
   num_iterations: int
   method: str
@@ -205,6 +207,7 @@ class _EigenOptions(NamedTuple):
 def _eigenvalues(
   loss: LossFn, view: ParamView, batches: Batches, key: jax.Array, axis_name, options: _EigenOptions
 ) -> jax.Array:
+  """The measure of :func:`hessian_eigenvalues`, on the params' real view."""
   hvp, dim, dtype = flat_hvp(loss, view.leaves, batches, axis_name)
   if options.k > dim:
     raise ValueError(f"k={options.k} eigenvalues asked of a Hessian of dimension {dim}.")
@@ -318,6 +321,8 @@ def _map_probes(one: Callable[[jax.Array, jax.Array], Any], key: jax.Array, num_
 
 
 class _TraceOptions(NamedTuple):
+  """The static arguments of :func:`hessian_trace`."""
+
   num_probes: int
   progress: Progress | None
 
@@ -325,6 +330,7 @@ class _TraceOptions(NamedTuple):
 def _trace(
   loss: LossFn, view: ParamView, batches: Batches, key: jax.Array, axis_name, options: _TraceOptions
 ) -> TraceEstimate:
+  """The measure of :func:`hessian_trace`, on the params' real view."""
   hvp, dim, dtype = flat_hvp(loss, view.leaves, batches, axis_name)
 
   def one(i, probe_key):
@@ -431,6 +437,8 @@ class SpectralDensity(NamedTuple):
 
 
 class _DensityOptions(NamedTuple):
+  """The static arguments of :func:`hessian_spectral_density`."""
+
   num_probes: int
   num_iterations: int
   progress: Progress | None
@@ -444,6 +452,7 @@ def _density(
   axis_name,
   options: _DensityOptions,
 ) -> SpectralDensity:
+  """The measure of :func:`hessian_spectral_density`, on the params' real view."""
   hvp, dim, dtype = flat_hvp(loss, view.leaves, batches, axis_name)
   steps = min(options.num_iterations, dim)
   total = options.num_probes * steps

@@ -69,6 +69,8 @@ def _group_sharpness(
 
 
 class _Options(NamedTuple):
+  """The static arguments of :func:`m_sharpness`: with ``loss_fn``, its cache key."""
+
   m: int | None
   ascent_steps: int
   adaptive: bool
@@ -78,6 +80,7 @@ class _Options(NamedTuple):
 def _m_sharpness(
   loss: LossFn, view: ParamView, batches: Batches, rho: jax.Array, axis_name, options: _Options
 ) -> jax.Array:
+  """The measure of :func:`m_sharpness`, on the params' real view."""
   per_batch = lambda b: _groups(b, options.m)
   if batches.stacked:  # [rows, batches, ...] -> [batches * rows // m, m, ...]
     data = jax.tree.map(lambda x: jnp.moveaxis(x, 1, 0), batches.data)
