@@ -272,6 +272,20 @@ BAD_ARGUMENTS = [
   (lambda f, p, b: optax_gsam.hessian_trace(f, p, b, KEY, num_batches=2), "iterator"),
   (lambda f, p, b: optax_gsam.hessian_trace(f, p, iter([b]), KEY, num_batches=2), "ran out"),
   (
+    lambda f, p, b: optax_gsam.m_sharpness(
+      f, p, iter([b, jax.tree.map(lambda x: x[:8], b)]), rho=0.1, num_batches=2
+    ),
+    "batch: the iterator's batches must have equal shapes",
+  ),
+  (
+    lambda f, p, b: optax_gsam.hessian_trace(f, {"n": jnp.array(3)}, b, KEY),
+    "params has no float leaves",
+  ),
+  (
+    lambda f, p, b: optax_gsam.hessian_trace(f, {**p, "act": jnp.tanh}, b, KEY),
+    r"params leaves must be arrays; these are not: \['act'\]",
+  ),
+  (
     lambda f, p, b: optax_gsam.hessian_trace(f, p, b, KEY, mesh=jax.make_mesh((8,), ("data",))),
     "axis_name",
   ),
@@ -283,3 +297,121 @@ def test_bad_arguments_raise_early(call, message):
   loss, params, batch = make_model("mlp")
   with pytest.raises(ValueError, match=message):
     call(loss, params, batch)
+
+
+def test_power_iteration_runs_all_its_iterations_beyond_the_dimension():
+  # H = diag(2, 1.9, 0.2): the error shrinks by (1.9 / 2)^2 a step, so 3 steps are far from 2.
+  loss = lambda w, _: 0.5 * jnp.sum(jnp.array([2.0, 1.9, 0.2]) * w**2)
+  power = lambda n: optax_gsam.hessian_eigenvalues(
+    loss, jnp.ones(3), jnp.zeros(1), KEY, method="power", num_iterations=n
+  )
+  np.testing.assert_allclose(power(400), [2.0], rtol=1e-12)
+  assert abs(float(power(3)[0]) - 2.0) > 1e-3
+
+
+# ----------------------------------------------------------------------------- complex and int params
+
+
+def complex_problem():
+  """f = sum x |w|^2 over (Re w, Im w): H = diag(2 x, 2 x), eigenvalues 10, 10, 4, 4, 2, 2."""
+  loss = lambda w, x: jnp.sum(x * jnp.abs(w) ** 2)
+  w = jnp.array([1 + 1j, 1 - 1j, 0.5j], jnp.complex128)
+  return loss, w, jnp.array([1.0, 5.0, 2.0])
+
+
+def test_complex_params_are_measured_as_real_pairs():
+  loss, w, x = complex_problem()
+  d = np.concatenate([x, x])  # the Hessian's diagonal over (Re w, Im w), halved
+  u = np.concatenate([np.real(w), np.imag(w)])
+  top = optax_gsam.hessian_eigenvalues(loss, w, x, KEY, k=6)
+  np.testing.assert_allclose(top, [10, 10, 4, 4, 2, 2], rtol=1e-10)
+  trace = optax_gsam.hessian_trace(loss, w, x, KEY, num_probes=4)  # z^T H z = tr H: diagonal H
+  np.testing.assert_allclose(trace.trace, 32.0, rtol=1e-12)
+  assert trace.trace.dtype == jnp.float64
+  density = optax_gsam.hessian_spectral_density(loss, w, x, KEY, num_probes=2)
+  np.testing.assert_allclose(density.moment(1), 32.0 / 6, rtol=1e-10)
+  v = jnp.array([1 + 2j, -1j, 3.0])
+  hv = optax_gsam.hessian_vector_product(loss, w, x, v)
+  np.testing.assert_allclose(hv, 2 * x * np.real(v) + 2j * x * np.imag(v), rtol=1e-12)
+  # The rise in the ball over R^6: f(w + e) - f(w) = g.e + e.H.e / 2 exactly, g = 2 d u.
+  exact = trust_region_maximum(np.diag(2 * d), 2 * d * u, 0.05)
+  rise = float(optax_gsam.m_sharpness(loss, w, x, rho=0.05, ascent_steps=20))
+  assert 0.9999 * exact <= rise <= exact + 1e-12, (rise, exact)
+  # ASAM's s = |w| (the modulus for both parts): e = rho s^2 g / ||s g||, one step.
+  s = np.concatenate([np.abs(w), np.abs(w)])
+  e = 0.05 * s**2 * (2 * d * u) / np.linalg.norm(s * 2 * d * u)
+  adaptive = optax_gsam.m_sharpness(loss, w, x, rho=0.05, ascent_steps=1, adaptive=True)
+  np.testing.assert_allclose(adaptive, 2 * d * u @ e + e @ (d * e), rtol=1e-12)
+
+
+def test_complex_hessian_is_the_dense_one_over_real_pairs():
+  rng = np.random.default_rng(2)
+  c = jnp.asarray(rng.normal(size=(5, 4)) + 1j * rng.normal(size=(5, 4)))
+  loss = lambda w, c: jnp.sum(jnp.abs(c @ w) ** 2) + jnp.sum(jnp.real(w) ** 3 * jnp.imag(w))
+  w = jnp.asarray(rng.normal(size=4) + 1j * rng.normal(size=4))
+  real_loss = lambda u: loss(u[:4] + 1j * u[4:], c)  # the same loss on R^8
+  dense = np.asarray(jax.hessian(real_loss)(jnp.concatenate([jnp.real(w), jnp.imag(w)])))
+  top = optax_gsam.hessian_eigenvalues(loss, w, c, KEY, k=3, num_iterations=8)
+  np.testing.assert_allclose(top, np.linalg.eigvalsh(dense)[::-1][:3], rtol=1e-9)
+
+
+def test_int_and_bool_leaves_are_held_fixed():
+  loss, params, batch = make_model("mlp")
+  shift = jnp.array(2)
+  with_ints = {**params, "shift": shift, "mask": jnp.array([True, False])}
+  int_loss = lambda p, b: loss({k: p[k] for k in params}, b) * (1 + p["shift"]) + p["mask"][0]
+  float_loss = lambda p, b: loss(p, b) * (1 + shift) + 1.0
+  for name, measure in MEASURES.items():
+    jax.tree.map(
+      lambda a, b, name=name: np.testing.assert_allclose(a, b, rtol=1e-12, err_msg=name),
+      measure(int_loss, with_ints, batch),
+      measure(float_loss, params, batch),
+    )
+  hv = optax_gsam.hessian_vector_product(int_loss, with_ints, batch, with_ints)
+  assert int(hv["shift"]) == 0 and not bool(hv["mask"].any())
+
+
+# ----------------------------------------------------------------------------- iterators and caching
+
+
+def test_batch_iterator_works_inside_jit(single_device):
+  loss, params, batch = make_model("mlp", n=16)
+  halves = [jax.tree.map(lambda x, i=i: x[8 * i : 8 * i + 8], batch) for i in range(2)]
+  streamed = jax.jit(
+    lambda a, b: {
+      name: MEASURES[name](loss, params, iter([a, b]), num_batches=2)
+      for name in ("trace", "m_sharpness")
+    }
+  )(*halves)
+  assert_close_trees(streamed, {name: single_device[name] for name in streamed})
+
+
+class CompileCounter:
+  """Counts XLA compilations (jax.monitoring's backend compile events) while active."""
+
+  def __init__(self):
+    self.count = 0
+
+  def __call__(self, event, duration, **kwargs):
+    self.count += event == "/jax/core/compile/backend_compile_duration"
+
+  def __enter__(self):
+    jax.monitoring.register_event_duration_secs_listener(self)
+    return self
+
+  def __exit__(self, *exc):
+    jax.monitoring.unregister_event_duration_listener(self)
+
+
+def test_measures_called_again_outside_jit_neither_retrace_nor_recompile():
+  loss, params, batch = make_model("mlp")
+  traces = []
+  counted = lambda p, b: traces.append(1) or loss(p, b)
+  other = jax.tree.map(lambda x: x * 0.5, params)
+  for name, measure in MEASURES.items():
+    measure(counted, params, batch)  # the first call compiles
+    traced = len(traces)
+    assert traced > 0
+    with CompileCounter() as compiles:
+      jax.block_until_ready(measure(counted, other, batch))
+    assert (len(traces), compiles.count) == (traced, 0), name

@@ -65,14 +65,21 @@ def run(tx, params, loss_jax, steps, perturb_fn=None):
   return p, state
 
 
-def ae_sam_decisions(threshold_at, decay):
-  """AE-SAM's rule: update the running mean and variance of ||g||^2, then compare."""
+def ae_sam_decisions(threshold_at, decay, cap=10.0):
+  """AE-SAM's rule: update the running mean and variance of ||g||^2, then compare.
+
+  With ``cap``, the value entering the statistics is at most ``cap`` times their mean
+  divided by 1 - decay^t (the weight of the t values so far), where that mean is > 0.
+  """
   stats = {"mean": 0.0, "var": 0.0}
 
   def due_at(t, g_c):
     s = float(g_c @ g_c)
-    stats["mean"] = decay * stats["mean"] + (1 - decay) * s
-    stats["var"] = decay * stats["var"] + (1 - decay) * (s - stats["mean"]) ** 2
+    entered = s
+    if cap is not None and t > 0 and stats["mean"] > 0:
+      entered = min(s, cap * stats["mean"] / (1 - decay**t))
+    stats["mean"] = decay * stats["mean"] + (1 - decay) * entered
+    stats["var"] = decay * stats["var"] + (1 - decay) * (entered - stats["mean"]) ** 2
     return s >= stats["mean"] + threshold_at(t) * np.sqrt(stats["var"])
 
   return due_at
@@ -452,17 +459,8 @@ def test_a_step_that_does_not_count_leaves_the_policy_state_as_it_was(policy):
   assert full_steps_after(after_nan) == full_steps_after(state)
 
 
-@pytest.mark.parametrize("threshold", [0.0, -0.5])
-def test_gradient_norm_statistics_survive_a_spike_and_full_steps_resume(threshold):
-  # ||g|| = 1e11 once: s_t = 1e22, whose square (the variance's scale) overflows float32.
-  decay, steps, spike = 0.5, 100, 4
-  scales = [(1e11 if t == spike else 1.0) * (1.0 + 0.3 * np.sin(t)) for t in range(steps)]
-  due_at = ae_sam_decisions(lambda t: threshold, decay)  # float64 reference
-  base = np.array([0.6, -0.8])
-  expected = [due_at(t, scale * base) for t, scale in enumerate(scales)]
-  assert expected[-20:].count(True) > 0  # the reference resumes full steps
-
-  policy = optax_gsam.gradient_norm_policy(threshold, decay=decay)
+def gradient_norm_decisions(policy, scales):
+  """Whether each step of sam with ``policy`` was a full step, for gradients ``scale * base``."""
   tx = optax_gsam.sam(0.05, policy=policy)
   w = jnp.zeros(2)
   value_and_grad_fn = lambda q: (jnp.sum(q**2), 2 * q)
@@ -470,10 +468,43 @@ def test_gradient_norm_statistics_survive_a_spike_and_full_steps_resume(threshol
   state, decisions = tx.init(w), []
   for scale in scales:
     before = int(state.full_steps)
-    _, state = update(jnp.asarray(scale * base, jnp.float32), state)
+    _, state = update(jnp.asarray(scale * np.array([0.6, -0.8]), jnp.float32), state)
     decisions.append(int(state.full_steps) > before)
   assert all_finite(state.policy_state)
-  assert decisions == expected
+  return decisions
+
+
+@pytest.mark.parametrize("spike_cap", [10.0, None])
+@pytest.mark.parametrize("threshold", [0.0, -0.5])
+def test_gradient_norm_statistics_survive_a_spike_and_full_steps_resume(threshold, spike_cap):
+  # ||g|| = 1e11 once: s_t = 1e22, whose square (the variance's scale) overflows float32.
+  decay, steps, spike = 0.5, 100, 4
+  scales = [(1e11 if t == spike else 1.0) * (1.0 + 0.3 * np.sin(t)) for t in range(steps)]
+  due_at = ae_sam_decisions(lambda t: threshold, decay, spike_cap)  # float64 reference
+  base = np.array([0.6, -0.8])
+  expected = [due_at(t, scale * base) for t, scale in enumerate(scales)]
+  assert expected[-20:].count(True) > 0  # the reference resumes full steps
+  policy = optax_gsam.gradient_norm_policy(threshold, decay=decay, spike_cap=spike_cap)
+  assert gradient_norm_decisions(policy, scales) == expected
+
+
+@pytest.mark.parametrize("spike", [1e5, 1e10])
+@pytest.mark.parametrize("threshold", [0.0, 1.0])
+def test_one_gradient_spike_stops_full_steps_for_a_few_times_one_over_one_minus_decay(
+  spike, threshold
+):
+  # Uncapped, mu_t stays above the usual s_t for log(spike^2) / log(1 / decay) steps: 203 and 423
+  # at threshold 0. The cap bounds it by the spike-free recovery of the statistics instead.
+  decay, at = 0.9, 30
+  scales = [(spike if t == at else 1.0) * (1.0 + 0.3 * np.sin(t)) for t in range(at + 80)]
+  decisions = gradient_norm_decisions(
+    optax_gsam.gradient_norm_policy(threshold, decay=decay), scales
+  )
+  assert decisions[at]  # the spike itself is a large gradient: a full step
+  resumed = decisions[at + 1 :].index(True) + 1
+  assert resumed <= 5 / (1 - decay), resumed
+  due_at = ae_sam_decisions(lambda t: threshold, decay)  # float64 reference, capped
+  assert decisions == [due_at(t, scale * np.array([0.6, -0.8])) for t, scale in enumerate(scales)]
 
 
 def test_arguments_annotated_as_schedules_take_schedules():

@@ -118,6 +118,7 @@ POLICIES = {
   "weight": (lambda: optax_gsam.every_k_policy(2, reuse_weight=-1.0), "reuse_weight"),
   "decay": (lambda: optax_gsam.gradient_norm_policy(0.0, decay=1.0), "decay"),
   "threshold": (lambda: optax_gsam.gradient_norm_policy("high"), "threshold"),
+  "spike_cap": (lambda: optax_gsam.gradient_norm_policy(spike_cap=1.0), "spike_cap must be"),
   "probability": (
     lambda: optax_gsam.random_policy(1.5, key=jax.random.key(0)),
     "probability",

@@ -6,19 +6,19 @@ pytree at the memory of about two gradients, plus the Lanczos basis
 (``num_iterations`` vectors the size of the params).
 
 The loss measured is the mean of ``loss_fn(params, batch)`` over the batches
-given (one fixed batch, or ``num_batches`` taken from an iterator and stacked),
-and with ``axis_name`` also over the devices of that axis: each Hessian-vector
-product is averaged with ``jax.lax.pmean``, so under data parallelism the
-measure is the global batch's. Vectors and sums are kept in float32 at least
-(float64 stays float64), whatever the params' dtype.
+given (one fixed batch, or ``num_batches`` equal-sized batches taken from an
+iterator and stacked), and with ``axis_name`` also over the devices of that
+axis: each Hessian-vector product is averaged with ``jax.lax.pmean``, so under
+data parallelism the measure is the global batch's. The Hessian is the one over
+the params' float leaves as real numbers (complex leaves as (real, imaginary)
+pairs, other leaves held fixed: ``_src/measuring.py``). Vectors and sums are
+kept in float32 at least (float64 stays float64), whatever the params' dtype.
 """
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable
 from collections.abc import Hashable
-from collections.abc import Iterator
 from typing import Any
 from typing import NamedTuple
 
@@ -29,82 +29,17 @@ from jax.flatten_util import ravel_pytree
 
 from optax_gsam._src.arrays import compute_dtype
 from optax_gsam._src.arrays import conform
-from optax_gsam._src.distributed import data_parallel
-from optax_gsam._src.validation import check_axis_name
+from optax_gsam._src.measuring import Batches
+from optax_gsam._src.measuring import LossFn
+from optax_gsam._src.measuring import ParamView
+from optax_gsam._src.measuring import Progress
+from optax_gsam._src.measuring import batch_mean
+from optax_gsam._src.measuring import param_view
+from optax_gsam._src.measuring import report
+from optax_gsam._src.measuring import run_measure
 from optax_gsam._src.validation import check_positive_int
 
-LossFn = Callable[[Any, Any], jax.Array]
-Progress = Callable[[int, int], Any]
 _METHODS = ("lanczos", "power")
-
-
-# ----------------------------------------------------------------------------- batches and devices
-
-
-class Batches(NamedTuple):
-  """The data a measure averages over.
-
-  Attributes:
-    data: one batch, or (``stacked``) batches stacked along axis 1, so that
-      axis 0 stays the one a mesh splits.
-    stacked: whether ``data`` holds several batches.
-  """
-
-  data: Any
-  stacked: bool
-
-
-def as_batches(batch: Any, num_batches: int | None) -> Batches:
-  """A fixed batch as it is; ``num_batches`` batches of an iterator stacked along axis 1."""
-  if not isinstance(batch, Iterator):
-    if num_batches is not None:
-      raise ValueError(
-        "num_batches is for a batch iterator; a fixed batch (a pytree of arrays) is used whole."
-      )
-    return Batches(batch, False)
-  check_positive_int("num_batches", num_batches)
-  taken = list(itertools.islice(batch, num_batches))
-  if len(taken) < num_batches:  # type: ignore[operator]
-    raise ValueError(f"The batch iterator ran out after {len(taken)} of {num_batches} batches.")
-  stack = lambda *leaves: np.stack([np.asarray(x) for x in leaves], axis=1)
-  return Batches(jax.tree.map(stack, *taken), True)
-
-
-def batch_mean(fn: Callable[[Any], Any], batches: Batches) -> Any:
-  """The mean of ``fn(batch)`` over the batches, summed in a ``lax.scan`` (one batch live)."""
-  if not batches.stacked:
-    return fn(batches.data)
-  leading = jax.tree.map(lambda x: jnp.moveaxis(x, 1, 0), batches.data)
-  num = jax.tree.leaves(leading)[0].shape[0]
-  first = jax.tree.map(lambda x: x[0], leading)
-  rest = jax.tree.map(lambda x: x[1:], leading)
-  total, _ = jax.lax.scan(lambda acc, b: (jax.tree.map(jnp.add, acc, fn(b)), None), fn(first), rest)
-  return jax.tree.map(lambda t: t / num, total)
-
-
-def on_devices(
-  measure: Callable[[Any, Batches, Any, Hashable | None], Any],
-  params: Any,
-  batches: Batches,
-  extra: Any,
-  axis_name: Hashable | None,
-  mesh: jax.sharding.Mesh | None,
-) -> Any:
-  """``measure(params, batches, extra, axis_name)`` here, or per device on ``mesh``."""
-  check_axis_name(axis_name)
-  if mesh is None:
-    return measure(params, batches, extra, axis_name)
-  if axis_name is None:
-    raise ValueError("mesh needs axis_name: the mesh axis the batch is split over.")
-  per_device = lambda p, data, e: measure(p, Batches(data, batches.stacked), e, axis_name)
-  run = data_parallel(per_device, mesh, axis_name=axis_name, batch_argnums=(1,))
-  return run(params, batches.data, extra)
-
-
-def report(progress: Progress | None, done: Any, total: int) -> None:
-  """Calls ``progress(done, total)`` from traced code (on every device under a mesh)."""
-  if progress is not None:
-    jax.debug.callback(lambda d: progress(int(d), total), done)
 
 
 # ----------------------------------------------------------------------------- Hessian-vector products
@@ -113,7 +48,10 @@ def report(progress: Progress | None, done: Any, total: int) -> None:
 def flat_hvp(
   loss_fn: LossFn, params: Any, batches: Batches, axis_name: Hashable | None
 ) -> tuple[Callable[[jax.Array], jax.Array], int, np.dtype]:
-  """``v -> H v`` on flat vectors, the dimension, and the vectors' dtype (float32 at least)."""
+  """``v -> H v`` on flat vectors, the dimension, and the vectors' dtype (float32 at least).
+
+  ``params`` are real (a :class:`ParamView`'s leaves); ``loss_fn`` is a function of them.
+  """
   flat, unravel = ravel_pytree(params)
   dtype = compute_dtype(flat.dtype)
 
@@ -146,9 +84,15 @@ def hessian_vector_product(
   ``check_vma=False``) the product is averaged over the axis, so it is the
   global batch's.
 
+  The Hessian is the one over the params' float leaves as real numbers: a complex
+  leaf :math:`z = x + iy` counts as the pairs :math:`(x, y)`, its entry of
+  :math:`v` as :math:`(\operatorname{Re} v, \operatorname{Im} v)`, and its entry
+  of :math:`H v` is returned as the complex number of the product's pair. Int and
+  bool leaves are held fixed: their entries of :math:`H v` are 0.
+
   Args:
     loss_fn: ``loss_fn(params, batch) -> scalar``.
-    params: the weights :math:`w`, any pytree of float arrays.
+    params: the weights :math:`w`, any pytree of arrays.
     batch: the batch the loss is evaluated on.
     vector: :math:`v`, a pytree like ``params``.
     axis_name: the data axis to average over, or ``None``.
@@ -162,9 +106,12 @@ def hessian_vector_product(
     >>> optax_gsam.hessian_vector_product(loss_fn, jnp.ones(2), jnp.array([1.0, 3.0]), jnp.ones(2))
     Array([2., 6.], dtype=float32)
   """
-  hvp, _, _ = flat_hvp(loss_fn, params, Batches(batch, False), axis_name)
-  flat, unravel = ravel_pytree(vector)
-  return unravel(hvp(flat).astype(flat.dtype))
+  view = param_view(params)
+  real_loss = lambda leaves, batch: loss_fn(view.tree(leaves), batch)
+  hvp, _, _ = flat_hvp(real_loss, view.leaves, Batches(batch, False), axis_name)
+  flat, unravel = ravel_pytree(view.of(vector))
+  rest = [jnp.zeros_like(x) for x in view.treedef.flatten_up_to(vector)]
+  return view.tree(unravel(hvp(flat).astype(flat.dtype)), rest)
 
 
 # ----------------------------------------------------------------------------- Lanczos and power iteration
@@ -251,6 +198,33 @@ def _check_eigen_args(k: int, num_iterations: int, method: str) -> None:
     raise ValueError(f"k={k} eigenvalues need num_iterations >= k, got {num_iterations}.")
 
 
+class _EigenOptions(NamedTuple):
+  """The static arguments of :func:`hessian_eigenvalues`: with ``loss_fn``, its cache key."""
+
+  k: int
+  num_iterations: int
+  method: str
+  progress: Progress | None
+
+
+def _eigenvalues(
+  loss: LossFn, view: ParamView, batches: Batches, key: jax.Array, axis_name, options: _EigenOptions
+) -> jax.Array:
+  """The measure of :func:`hessian_eigenvalues`, on the params' real view."""
+  hvp, dim, dtype = flat_hvp(loss, view.leaves, batches, axis_name)
+  if options.k > dim:
+    raise ValueError(f"k={options.k} eigenvalues asked of a Hessian of dimension {dim}.")
+  # Lanczos is exact after dim steps (the Krylov space is complete); power iteration is not.
+  power = options.method == "power"
+  steps = options.num_iterations if power else min(options.num_iterations, dim)
+  on_step = lambda i: report(options.progress, i + 1, steps)
+  v0 = jax.random.normal(key, (dim,), dtype)
+  if power:
+    return _power_iteration(hvp, v0, steps, on_step)
+  values, _ = ritz(*lanczos(hvp, v0, steps, key, on_step))
+  return values[::-1][: options.k]
+
+
 def hessian_eigenvalues(
   loss_fn: Callable[[Any, Any], jax.Array],
   params: Any,
@@ -279,11 +253,13 @@ def hessian_eigenvalues(
 
   Args:
     loss_fn: ``loss_fn(params, batch) -> scalar``, a mean over the batch's examples.
-    params: the weights, any pytree of float arrays.
+    params: the weights, any pytree of arrays (see :func:`hessian_vector_product`).
     batch: a fixed batch, or an iterator of equal-sized batches (with ``num_batches``).
     key: the PRNG key of the starting vector.
     k: how many eigenvalues, largest first.
-    num_iterations: Hessian-vector products (capped at the number of parameters).
+    num_iterations: Hessian-vector products. Lanczos caps them at the number of
+      parameters, where its Krylov space is the whole space and its Ritz values
+      are exact; power iteration takes all of them.
     method: ``"lanczos"`` or ``"power"`` (``k=1`` only).
     num_batches: how many batches to take from an iterator ``batch``.
     axis_name: average the products over this data axis (inside a per-device step).
@@ -305,20 +281,18 @@ def hessian_eigenvalues(
     Hessian eigenvalue density*, ICML 2019; Yao et al., *PyHessian*, 2020.
   """
   _check_eigen_args(k, num_iterations, method)
-
-  def measure(params, batches, key, axis_name):
-    hvp, dim, dtype = flat_hvp(loss_fn, params, batches, axis_name)
-    if k > dim:
-      raise ValueError(f"k={k} eigenvalues asked of a Hessian of dimension {dim}.")
-    steps = min(num_iterations, dim)
-    on_step = lambda i: report(progress, i + 1, steps)
-    v0 = jax.random.normal(key, (dim,), dtype)
-    if method == "power":
-      return _power_iteration(hvp, v0, steps, on_step)
-    values, _ = ritz(*lanczos(hvp, v0, steps, key, on_step))
-    return values[::-1][:k]
-
-  return on_devices(measure, params, as_batches(batch, num_batches), key, axis_name, mesh)
+  options = _EigenOptions(k, num_iterations, method, progress)
+  return run_measure(
+    _eigenvalues,
+    loss_fn,
+    options,
+    params,
+    batch,
+    key,
+    num_batches=num_batches,
+    axis_name=axis_name,
+    mesh=mesh,
+  )
 
 
 # ----------------------------------------------------------------------------- trace and density
@@ -341,6 +315,36 @@ class TraceEstimate(NamedTuple):
 
   trace: jax.Array
   std_error: jax.Array
+
+
+def _map_probes(one: Callable[[jax.Array, jax.Array], Any], key: jax.Array, num_probes: int) -> Any:
+  """``one(i, key_i)`` for each probe ``i`` and its own key, one probe live at a time."""
+  keys = jax.random.split(key, num_probes)
+  return jax.lax.map(lambda args: one(*args), (jnp.arange(num_probes), keys))
+
+
+class _TraceOptions(NamedTuple):
+  """The static arguments of :func:`hessian_trace`."""
+
+  num_probes: int
+  progress: Progress | None
+
+
+def _trace(
+  loss: LossFn, view: ParamView, batches: Batches, key: jax.Array, axis_name, options: _TraceOptions
+) -> TraceEstimate:
+  """The measure of :func:`hessian_trace`, on the params' real view."""
+  hvp, dim, dtype = flat_hvp(loss, view.leaves, batches, axis_name)
+
+  def one(i, probe_key):
+    z = _probe(probe_key, dim, dtype)
+    value = jnp.vdot(z, hvp(z))
+    report(options.progress, i + 1, options.num_probes)
+    return value
+
+  samples = _map_probes(one, key, options.num_probes)
+  error = jnp.std(samples, ddof=1) / np.sqrt(options.num_probes)
+  return TraceEstimate(jnp.mean(samples), error)
 
 
 def hessian_trace(
@@ -367,7 +371,7 @@ def hessian_trace(
 
   Args:
     loss_fn: ``loss_fn(params, batch) -> scalar``, a mean over the batch's examples.
-    params: the weights, any pytree of float arrays.
+    params: the weights, any pytree of arrays (see :func:`hessian_vector_product`).
     batch: a fixed batch, or an iterator of equal-sized batches (with ``num_batches``).
     key: the PRNG key of the probes.
     num_probes: :math:`n` >= 2, one Hessian-vector product each.
@@ -393,21 +397,18 @@ def hessian_trace(
   if num_probes < 2:
     raise ValueError(f"num_probes must be >= 2 to state an error, got {num_probes}.")
 
-  def measure(params, batches, key, axis_name):
-    hvp, dim, dtype = flat_hvp(loss_fn, params, batches, axis_name)
-
-    def one(args):
-      i, probe_key = args
-      z = _probe(probe_key, dim, dtype)
-      value = jnp.vdot(z, hvp(z))
-      report(progress, i + 1, num_probes)
-      return value
-
-    samples = jax.lax.map(one, (jnp.arange(num_probes), jax.random.split(key, num_probes)))
-    error = jnp.std(samples, ddof=1) / np.sqrt(num_probes)
-    return TraceEstimate(jnp.mean(samples), error)
-
-  return on_devices(measure, params, as_batches(batch, num_batches), key, axis_name, mesh)
+  options = _TraceOptions(num_probes, progress)
+  return run_measure(
+    _trace,
+    loss_fn,
+    options,
+    params,
+    batch,
+    key,
+    num_batches=num_batches,
+    axis_name=axis_name,
+    mesh=mesh,
+  )
 
 
 class SpectralDensity(NamedTuple):
@@ -438,6 +439,35 @@ class SpectralDensity(NamedTuple):
     return jnp.mean(jnp.sum(self.weights * bumps, axis=-1), axis=-1)
 
 
+class _DensityOptions(NamedTuple):
+  """The static arguments of :func:`hessian_spectral_density`."""
+
+  num_probes: int
+  num_iterations: int
+  progress: Progress | None
+
+
+def _density(
+  loss: LossFn,
+  view: ParamView,
+  batches: Batches,
+  key: jax.Array,
+  axis_name,
+  options: _DensityOptions,
+) -> SpectralDensity:
+  """The measure of :func:`hessian_spectral_density`, on the params' real view."""
+  hvp, dim, dtype = flat_hvp(loss, view.leaves, batches, axis_name)
+  steps = min(options.num_iterations, dim)
+  total = options.num_probes * steps
+
+  def one(i, probe_key):
+    on_step = lambda j: report(options.progress, i * steps + j + 1, total)
+    probe = _probe(probe_key, dim, dtype)
+    return ritz(*lanczos(hvp, probe, steps, jax.random.fold_in(probe_key, 1), on_step))
+
+  return SpectralDensity(*_map_probes(one, key, options.num_probes))
+
+
 def hessian_spectral_density(
   loss_fn: Callable[[Any, Any], jax.Array],
   params: Any,
@@ -460,7 +490,7 @@ def hessian_spectral_density(
 
   Args:
     loss_fn: ``loss_fn(params, batch) -> scalar``, a mean over the batch's examples.
-    params: the weights, any pytree of float arrays.
+    params: the weights, any pytree of arrays (see :func:`hessian_vector_product`).
     batch: a fixed batch, or an iterator of equal-sized batches (with ``num_batches``).
     key: the PRNG key of the probes.
     num_probes: independent Lanczos runs averaged.
@@ -488,19 +518,15 @@ def hessian_spectral_density(
   check_positive_int("num_probes", num_probes)
   check_positive_int("num_iterations", num_iterations)
 
-  def measure(params, batches, key, axis_name):
-    hvp, dim, dtype = flat_hvp(loss_fn, params, batches, axis_name)
-    steps = min(num_iterations, dim)
-    total = num_probes * steps
-
-    def one(args):
-      i, probe_key = args
-      on_step = lambda j: report(progress, i * steps + j + 1, total)
-      probe = _probe(probe_key, dim, dtype)
-      return ritz(*lanczos(hvp, probe, steps, jax.random.fold_in(probe_key, 1), on_step))
-
-    keys = jax.random.split(key, num_probes)
-    values, weights = jax.lax.map(one, (jnp.arange(num_probes), keys))
-    return SpectralDensity(values, weights)
-
-  return on_devices(measure, params, as_batches(batch, num_batches), key, axis_name, mesh)
+  options = _DensityOptions(num_probes, num_iterations, progress)
+  return run_measure(
+    _density,
+    loss_fn,
+    options,
+    params,
+    batch,
+    key,
+    num_batches=num_batches,
+    axis_name=axis_name,
+    mesh=mesh,
+  )

@@ -40,6 +40,10 @@ from optax_gsam.typing import DecideFn
 CHEAP_CHOICES = ("reuse", "clean")
 DEFAULT_REUSE_WEIGHT = 0.7
 DEFAULT_REUSE_STEPS = 2  # every_k_policy: the cheap steps after a full step that reuse
+# gradient_norm_policy: the most one ||g_c||^2 may weigh in the statistics, as a multiple of their
+# bias-corrected mean (10: a gradient norm about 3.2 times its recent RMS). A 1e10 spike then stops
+# full steps for 9 steps at decay 0.9 and threshold 0, not 417; docs/policies.md has the figures.
+DEFAULT_SPIKE_CAP = 10.0
 
 
 class SharpnessPolicy(NamedTuple):
@@ -260,12 +264,21 @@ def every_k_policy(
   )
 
 
+def _capped(signal: jax.Array, mean: jax.Array, count: jax.Array, decay: float, cap: float):
+  """``signal``, at most ``cap`` times the bias-corrected mean; uncapped while that mean is 0."""
+  # mu_{t-1} weighs the t observations so far by 1 - decay^t in all: divide it out.
+  weight = 1.0 - jnp.asarray(decay, jnp.float32) ** jnp.asarray(count, jnp.float32)
+  limit = cap * mean / jnp.where(weight > 0, weight, 1.0)
+  return jnp.where((mean > 0) & (weight > 0), jnp.minimum(signal, limit), signal)
+
+
 def gradient_norm_policy(
   threshold: optax.ScalarOrSchedule = 0.0,
   *,
   decay: float = 0.9,
   cheap: str = "clean",
   reuse_weight: optax.ScalarOrSchedule = DEFAULT_REUSE_WEIGHT,
+  spike_cap: float | None = DEFAULT_SPIKE_CAP,
 ) -> SharpnessPolicy:
   r"""The full step where the clean gradient is large for its recent history (AE-SAM).
 
@@ -274,23 +287,35 @@ def gradient_norm_policy(
 
   .. math::
 
-    \mu_t = \delta \mu_{t-1} + (1 - \delta) s_t, \qquad
-    \sigma_t^2 = \delta \sigma_{t-1}^2 + (1 - \delta)(s_t - \mu_t)^2,
+    \mu_t = \delta \mu_{t-1} + (1 - \delta) \tilde s_t, \qquad
+    \sigma_t^2 = \delta \sigma_{t-1}^2 + (1 - \delta)(\tilde s_t - \mu_t)^2,
+    \qquad \tilde s_t = \min\Big(s_t,\ \kappa \frac{\mu_{t-1}}{1 - \delta^t}\Big)
 
   (from :math:`\mu_{-1} = \sigma_{-1}^2 = 0`) and takes the full step when
   :math:`s_t \ge \mu_t + c_t \sigma_t`: a large gradient norm signals a sharp
   region. The paper raises :math:`c_t` linearly from -1 to 1 over training
   (``threshold=optax.linear_schedule(-1.0, 1.0, num_steps)``), so SAM is used
-  often early and rarely late. A non-finite :math:`s_t` leaves the statistics
-  unchanged. The state keeps :math:`\sigma_t` (as a ``hypot``), so a gradient
-  spike cannot overflow it; :math:`\mu_t` forgets a spike by a factor
-  :math:`\delta` a step. ``cheap="reuse"`` gives AE-LookSAM.
+  often early and rarely late.
+
+  The cap :math:`\kappa` (``spike_cap``) bounds what one observation may add to
+  the statistics: at most :math:`\kappa` times their bias-corrected mean (no cap
+  at :math:`t = 0` or while :math:`\mu_{t-1} = 0`). The step of a spike is
+  still compared uncapped (it takes the full step), but the spike no longer
+  holds :math:`\mu_t` and :math:`\sigma_t` above the usual :math:`s_t` for
+  :math:`\log s / \log(1/\delta)` steps: with :math:`\kappa = 10` and
+  :math:`\delta = 0.9`, full steps resume 9 steps after a spike of any size at
+  :math:`c = 0` (41 at :math:`c = 1`). ``spike_cap=None`` is the paper's rule.
+  A non-finite :math:`s_t` leaves the statistics unchanged. The state keeps
+  :math:`\sigma_t` (as a ``hypot``), so no square overflows it.
+  ``cheap="reuse"`` gives AE-LookSAM.
 
   Args:
     threshold: :math:`c_t`, a float or a schedule.
     decay: :math:`\delta` in [0, 1).
     cheap: ``"clean"`` (AE-SAM) or ``"reuse"`` (AE-LookSAM).
     reuse_weight: :math:`\lambda_t` of ``cheap="reuse"``.
+    spike_cap: :math:`\kappa` > 1, the largest multiple of the statistics' mean
+      that one observation enters them with, or ``None`` for no cap.
 
   Returns:
     A :class:`SharpnessPolicy` with state :class:`GradientNormState`.
@@ -308,6 +333,11 @@ def gradient_norm_policy(
     raise ValueError(f"threshold must be a float or a schedule, got {threshold!r}.")
   check_unit_interval("decay", decay, include_one=False)
   _check_cheap(cheap, reuse_weight)
+  if spike_cap is not None and not (is_real_number(spike_cap) and 1 < spike_cap < math.inf):
+    raise ValueError(
+      f"spike_cap must be a float > 1, or None for no cap, got {spike_cap!r}: a cap at or below "
+      "the mean would hold the statistics down for good."
+    )
 
   def init():
     # Separate buffers, so that a donated state never holds one twice.
@@ -315,9 +345,10 @@ def gradient_norm_policy(
 
   def decide(state, count, grad_sq_norm):
     signal = grad_sq_norm.astype(jnp.float32)
-    mean = decay * state.mean + (1 - decay) * signal
+    observed = signal if spike_cap is None else _capped(signal, state.mean, count, decay, spike_cap)
+    mean = decay * state.mean + (1 - decay) * observed
     # sigma_t^2 = decay sigma_{t-1}^2 + (1 - decay)(s_t - mu_t)^2, as a hypot: no square overflows.
-    std = jnp.hypot(math.sqrt(decay) * state.std, math.sqrt(1 - decay) * (signal - mean))
+    std = jnp.hypot(math.sqrt(decay) * state.std, math.sqrt(1 - decay) * (observed - mean))
     due = signal >= mean + value_at(threshold, count) * std
     finite = jnp.isfinite(signal) & jnp.isfinite(mean) & jnp.isfinite(std)
     new_state = GradientNormState(

@@ -10,17 +10,18 @@ from __future__ import annotations
 from collections.abc import Callable
 from collections.abc import Hashable
 from typing import Any
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from optax_gsam._src.arrays import upcast
-from optax_gsam._src.hessian import Batches
-from optax_gsam._src.hessian import LossFn
-from optax_gsam._src.hessian import as_batches
-from optax_gsam._src.hessian import on_devices
-from optax_gsam._src.hessian import report
+from optax_gsam._src.measuring import Batches
+from optax_gsam._src.measuring import LossFn
+from optax_gsam._src.measuring import ParamView
+from optax_gsam._src.measuring import Progress
+from optax_gsam._src.measuring import report
+from optax_gsam._src.measuring import run_measure
 from optax_gsam._src.perturbation import stable_global_norm
 from optax_gsam._src.validation import check_positive
 from optax_gsam._src.validation import check_positive_int
@@ -36,10 +37,9 @@ def _groups(batch: Any, m: int | None) -> Any:
 
 
 def _group_sharpness(
-  loss_fn: LossFn, params: Any, group: Any, rho: Any, ascent_steps: int, adaptive: bool
+  loss_fn: LossFn, params: Any, group: Any, rho: Any, ascent_steps: int, scale: Any
 ) -> jax.Array:
-  """max over the ascent's iterates of f(w + eps) - f(w), on one group."""
-  scale = jax.tree.map(lambda w: jnp.abs(upcast(w)), params) if adaptive else None
+  """max over the ascent's iterates of f(w + s * delta) - f(w), on one group (s=1 if scale is None)."""
   times = lambda tree: tree if scale is None else jax.tree.map(jnp.multiply, tree, scale)
   perturbed = lambda delta: jax.tree.map(
     lambda w, e: (upcast(w) + e).astype(w.dtype), params, times(delta)
@@ -68,6 +68,40 @@ def _group_sharpness(
   (delta, grads, best), _ = jax.lax.scan(body, start, length=ascent_steps - 1)
   last = upcast(loss_fn(perturbed(ascend(delta, grads)), group))
   return jnp.maximum(best, last) - upcast(loss)
+
+
+class _Options(NamedTuple):
+  """The static arguments of :func:`m_sharpness`: with ``loss_fn``, its cache key."""
+
+  m: int | None
+  ascent_steps: int
+  adaptive: bool
+  progress: Progress | None
+
+
+def _m_sharpness(
+  loss: LossFn, view: ParamView, batches: Batches, rho: jax.Array, axis_name, options: _Options
+) -> jax.Array:
+  """The measure of :func:`m_sharpness`, on the params' real view."""
+  per_batch = lambda b: _groups(b, options.m)
+  if batches.stacked:  # [rows, batches, ...] -> [batches * rows // m, m, ...]
+    data = jax.tree.map(lambda x: jnp.moveaxis(x, 1, 0), batches.data)
+    groups = jax.vmap(per_batch)(data)
+    groups = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), groups)
+  else:
+    groups = per_batch(batches.data)
+  total = jax.tree.leaves(groups)[0].shape[0]
+  # ASAM's |w|: a complex entry's modulus, for both parts of its pair (as the training transforms).
+  scale = [upcast(s) for s in view.modulus()] if options.adaptive else None
+
+  def one(args):
+    i, group = args
+    value = _group_sharpness(loss, view.leaves, group, rho, options.ascent_steps, scale)
+    report(options.progress, i + 1, total)
+    return value
+
+  mean = jnp.mean(jax.lax.map(one, (jnp.arange(total), groups)))
+  return mean if axis_name is None else jax.lax.pmean(mean, axis_name)
 
 
 def m_sharpness(
@@ -109,7 +143,10 @@ def m_sharpness(
 
   Args:
     loss_fn: ``loss_fn(params, batch) -> scalar``, a mean over the batch's examples.
-    params: the weights :math:`w`, any pytree of float arrays.
+    params: the weights :math:`w`, any pytree of arrays. Complex leaves count as
+      (real, imaginary) pairs (:math:`\|\delta\|^2` sums :math:`|\delta_i|^2`, and
+      the adaptive :math:`s` is the modulus :math:`|w_i|`); int and bool leaves
+      are held fixed.
     batch: a fixed batch, or an iterator of equal-sized batches (with ``num_batches``);
       every leaf's leading axis is the examples.
     rho: the radius :math:`\rho` > 0.
@@ -144,23 +181,15 @@ def m_sharpness(
   check_positive_int("m", m, allow_none=True)
   check_positive_int("ascent_steps", ascent_steps)
 
-  def measure(params, batches: Batches, _, axis_name):
-    per_batch = lambda b: _groups(b, m)
-    if batches.stacked:  # [rows, batches, ...] -> [batches * rows // m, m, ...]
-      data = jax.tree.map(lambda x: jnp.moveaxis(x, 1, 0), batches.data)
-      groups = jax.vmap(per_batch)(data)
-      groups = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), groups)
-    else:
-      groups = per_batch(batches.data)
-    total = jax.tree.leaves(groups)[0].shape[0]
-
-    def one(args):
-      i, group = args
-      value = _group_sharpness(loss_fn, params, group, rho, ascent_steps, adaptive)
-      report(progress, i + 1, total)
-      return value
-
-    mean = jnp.mean(jax.lax.map(one, (jnp.arange(total), groups)))
-    return mean if axis_name is None else jax.lax.pmean(mean, axis_name)
-
-  return on_devices(measure, params, as_batches(batch, num_batches), np.zeros(()), axis_name, mesh)
+  options = _Options(m, ascent_steps, adaptive, progress)
+  return run_measure(
+    _m_sharpness,
+    loss_fn,
+    options,
+    params,
+    batch,
+    jnp.asarray(rho),
+    num_batches=num_batches,
+    axis_name=axis_name,
+    mesh=mesh,
+  )
