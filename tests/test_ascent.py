@@ -183,3 +183,26 @@ def test_an_injected_eps_reaches_the_direction():
   expected, _ = plain.update(grads, plain.init(params), params, loss_fn=loss_fn)
   got, _ = injected.update(grads, injected.init(params), params, loss_fn=loss_fn)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), got, expected)
+
+
+def test_a_stateful_direction_advances_once_per_step_from_the_clean_gradient():
+  """With n ascent steps the state used to advance n times, from the intermediate gradients."""
+  with jax.enable_x64(True):
+    params, x, t = make_data(10)
+    loss_fn = lambda p: loss_jax(p, jnp.asarray(x), jnp.asarray(t))
+    grads = jax.grad(loss_fn)(params)
+    friendly = optax_gsam.sam(RHO, ascent=optax_gsam.friendly_ascent(1.0, 0.9), ascent_steps=2)
+    _, state = friendly.update(grads, friendly.init(params), params, loss_fn=loss_fn)
+    expected = jax.tree.map(lambda g: 0.1 * np.asarray(g), grads)  # m_1 = (1 - 0.9) g_c
+    jax.tree.map(
+      functools.partial(np.testing.assert_allclose, rtol=1e-14),
+      state.ascent_state.gradient_average,
+      expected,
+    )
+    adam = optax_gsam.sam(
+      RHO,
+      ascent=optax.chain(optax.scale_by_adam(), optax_gsam.normalized_ascent()),
+      ascent_steps=3,
+    )
+    _, state = adam.update(grads, adam.init(params), params, loss_fn=loss_fn)
+    assert int(state.ascent_state[0].count) == 1

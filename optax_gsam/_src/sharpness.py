@@ -445,10 +445,10 @@ def gsam(
   :func:`optax_gsam.friendly_ascent` and :func:`optax_gsam.vasso_ascent`);
   its state is ``GSAMState.ascent_state``. ``ascent_steps=n`` takes n steps
   of length :math:`\rho_t / n`, each along the direction of the gradient at
-  the point reached. ``mask`` (a pytree of Python bools, or a function of the
-  params returning one, as ``optax.masked`` takes) restricts the
-  perturbation to the selected leaves; every leaf's gradient is still taken
-  at the perturbed point. The transform must be the first stage of its
+  the point reached; a stateful direction advances once, from :math:`g_c`.
+  ``mask`` (a pytree of Python bools, or a function of the params returning
+  one, as ``optax.masked`` takes) restricts the perturbation to the selected
+  leaves; every leaf's gradient is still taken at the perturbed point. The transform must be the first stage of its
   ``optax.chain`` (a stage before it would be lost; this is refused), and
   not inside ``optax.masked`` (use ``mask``). See docs/directions.md.
 
