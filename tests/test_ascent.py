@@ -137,6 +137,7 @@ def test_a_new_direction_is_an_optax_transformation():
     (dict(ascent_steps=0), "ascent_steps"),
     (dict(mask={"w": jnp.asarray(True)}), "mask must be a pytree of Python bools"),
     (dict(mask={"b": False, "w": False}), "mask selects no leaf"),
+    (dict(mask=True), r"bare bool True.*mask=None"),
   ],
 )
 def test_bad_ascent_arguments_are_refused_at_construction(kwargs, match):
@@ -206,3 +207,27 @@ def test_a_stateful_direction_advances_once_per_step_from_the_clean_gradient():
     )
     _, state = adam.update(grads, adam.init(params), params, loss_fn=loss_fn)
     assert int(state.ascent_state[0].count) == 1
+
+
+NOT_B = lambda q: jax.tree_util.tree_map_with_path(  # a mask by path, as users write them
+  lambda path, _: "'b'" not in jax.tree_util.keystr(path), q
+)
+
+
+def test_a_mask_function_under_inject_hyperparams_is_refused_unless_static():
+  """inject_hyperparams used to call it with the step count: mask=True, every leaf perturbed."""
+  params, x, t = make_data(11)
+  with pytest.raises(ValueError, match=r"static_args=\('mask',\)"):
+    optax.inject_hyperparams(optax_gsam.sam)(rho=RHO, mask=NOT_B).init(params)
+  direction, _ = DIRECTIONS["sam"]
+  with jax.enable_x64(True):
+    loss_fn = lambda p: loss_jax(p, jnp.asarray(x), jnp.asarray(t))
+    injected = optax.inject_hyperparams(optax_gsam.gsam, static_args=("mask",))
+    tx = optax.chain(injected(rho=RHO, alpha=ALPHA, mask=NOT_B), optax.sgd(LR))
+    p, state = jax.tree.map(jnp.asarray, params), tx.init(params)
+    for _ in range(3):
+      updates, state = tx.update(jax.grad(loss_fn)(p), state, p, loss_fn=loss_fn)
+      p = optax.apply_updates(p, updates)
+    mask_vec = np.concatenate([np.zeros(3), np.ones(15)])  # "b" left out
+    expected = reference_run(params, x, t, direction, mask=mask_vec)
+    np.testing.assert_allclose(flat(p), expected, rtol=1e-11)

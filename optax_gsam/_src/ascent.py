@@ -263,17 +263,36 @@ def ascent_from_adaptive(
 MaskOrFn = Any  # a pytree of Python bools (a prefix of params), or params -> such a pytree
 
 
+_INJECTED_MASK_FIX = (
+  "optax.inject_hyperparams calls a function it is given as a schedule, with the step count, "
+  "so a mask function arrives evaluated on a scalar: pass static_args=('mask',) to "
+  "optax.inject_hyperparams."
+)
+
+
 def check_mask(mask: MaskOrFn) -> None:
-  """A mask is None, a callable, or a pytree whose leaves are Python bools (static)."""
+  """A mask is None, a callable, or a pytree whose leaves are Python bools (static).
+
+  A bare bool is refused: ``None`` already means every leaf, and a bare bool is
+  what a mask function gives when ``optax.inject_hyperparams`` evaluates it as
+  a schedule on the step count.
+  """
   if mask is None or callable(mask):
     return
+  if isinstance(mask, (bool, np.bool_)):
+    raise ValueError(
+      f"mask is the bare bool {mask!r}, not a pytree of bools over params. "
+      + _INJECTED_MASK_FIX
+      + " To perturb every leaf, leave mask=None."
+    )
   leaves = jax.tree.leaves(mask)
   bad = [leaf for leaf in leaves if not isinstance(leaf, (bool, np.bool_))]
   if bad:
     raise ValueError(
       "mask must be a pytree of Python bools (True: perturb the leaf) with the structure of "
       "params or a prefix of it, or a function params -> such a pytree, as optax.masked takes; "
-      f"got a leaf {bad[0]!r}. Arrays are not accepted: the mask decides the program's shape."
+      f"got a leaf {bad[0]!r}. Arrays are not accepted: the mask decides the program's shape. "
+      "If a mask function was given to optax.inject_hyperparams: " + _INJECTED_MASK_FIX
     )
   if leaves and not any(bool(leaf) for leaf in leaves):
     raise ValueError("mask selects no leaf: nothing would be perturbed. Use the base optimizer.")

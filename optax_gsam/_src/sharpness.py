@@ -495,7 +495,7 @@ def gsam(
 
   Under ``optax.inject_hyperparams(optax_gsam.gsam)``, rho, alpha, eps and
   reuse_weight become injectable; static options (``perturb_every``,
-  ``num_groups``) go in ``static_args``. Injected values take the params' dtype
+  ``num_groups``, a ``mask`` function) go in ``static_args``. Injected values take the params' dtype
   unless ``hyperparam_dtype`` is given, so with bfloat16 params pass
   ``hyperparam_dtype=jnp.float32``; a scheduled rho is then read at
   ``inject_hyperparams``' own count.
