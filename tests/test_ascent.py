@@ -231,3 +231,74 @@ def test_a_mask_function_under_inject_hyperparams_is_refused_unless_static():
     mask_vec = np.concatenate([np.zeros(3), np.ones(15)])  # "b" left out
     expected = reference_run(params, x, t, direction, mask=mask_vec)
     np.testing.assert_allclose(flat(p), expected, rtol=1e-11)
+
+
+# The adversarial optimizer of optax.contrib.sam, at radius 1: an optimizer outputs -a.
+PORTED = optax.chain(optax.contrib.normalize(), optax.sgd(1.0))
+
+
+@pytest.mark.parametrize(
+  "make",
+  [
+    lambda: optax_gsam.sam(RHO, ascent=PORTED),
+    lambda: optax.inject_hyperparams(optax_gsam.gsam)(rho=RHO, alpha=ALPHA, ascent=PORTED),
+    lambda: optax.chain(optax_gsam.sam(RHO, ascent=optax.chain(optax.scale_by_adam(), PORTED))),
+  ],
+  ids=["sam", "inject_hyperparams", "adam-preconditioned"],
+)
+@pytest.mark.parametrize("jit", [False, True])
+def test_an_optimizer_as_the_direction_is_refused_at_init_with_the_negation(make, jit):
+  """It used to perturb downhill: a negative surrogate gap (-0.0508 where SAM gives +0.0511)."""
+  params, _, _ = make_data(12)
+  tx = make()
+  init = jax.jit(tx.init) if jit else tx.init
+  with pytest.raises(ValueError, match=r"descent direction.*optax.scale\(-1.0\)"):
+    init(params)
+
+
+def test_the_negated_optimizer_is_the_default_direction():
+  with jax.enable_x64(True):
+    params, x, t = make_data(13)
+    ported, _ = run_gsam(params, x, t, ascent=optax.chain(PORTED, optax.scale(-1.0)))
+    direction, _ = DIRECTIONS["sam"]
+    np.testing.assert_allclose(flat(ported), reference_run(params, x, t, direction), rtol=1e-11)
+
+
+def test_optax_masked_as_the_direction_is_refused_naming_mask():
+  """Outside its mask optax.masked passed the raw gradient on: b moved by rho * g_b."""
+  params, x, t = make_data(14)
+  keep_w = {"b": False, "w": True}
+  masked = optax.masked(optax_gsam.normalized_ascent(), keep_w)
+  with pytest.raises(ValueError, match=r"params\['b'\] through unchanged.*mask=mask"):
+    optax_gsam.sam(RHO, ascent=masked).init(params)
+  with jax.enable_x64(True):  # with the transform's own mask, the same direction is right
+    p, _ = run_gsam(params, x, t, ascent=masked, mask=keep_w)
+    mask_vec = np.concatenate([np.zeros(3), np.ones(15)])
+    expected = reference_run(params, x, t, DIRECTIONS["sam"][0], mask=mask_vec)
+    np.testing.assert_allclose(flat(p), expected, rtol=1e-11)
+
+
+def _per_leaf_unit():
+  """A legitimate direction of the user's own: each leaf normalized on its own, bfloat16-safe."""
+
+  def update_fn(grads, state, params=None):
+    return jax.tree.map(lambda g: g / jnp.linalg.norm(g.astype(jnp.float32)), grads), state
+
+  return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
+
+
+@pytest.mark.parametrize(
+  "ascent",
+  [
+    _per_leaf_unit(),
+    optax.chain(optax.scale_by_adam(), optax_gsam.normalized_ascent()),
+    optax.chain(optax.masked(optax.scale(3.0), {"b": False, "w": True}), _per_leaf_unit()),
+    optax_gsam.friendly_ascent(sigma=20.0, decay=0.9),  # the package's own: never probed
+  ],
+  ids=["per-leaf", "adam", "masked-preconditioner", "friendly"],
+)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_directions_of_radius_one_are_accepted(ascent, dtype):
+  params, _, _ = make_data(15)
+  params = jax.tree.map(lambda v: jnp.asarray(v, dtype), params)
+  optax_gsam.sam(RHO, ascent=ascent).init(params)

@@ -20,7 +20,8 @@ import optax
 from optax_gsam._src import perturbation as pert
 from optax_gsam._src import step
 from optax_gsam._src.arrays import numbers_as_arrays
-from optax_gsam._src.ascent import check_mask
+from optax_gsam._src.ascent_checks import check_ascent
+from optax_gsam._src.ascent_checks import check_direction
 from optax_gsam._src.microbatch import accumulated
 from optax_gsam._src.microbatch import microbatch_fns
 from optax_gsam._src.placement import check_not_masked
@@ -210,6 +211,7 @@ def _initial_state(settings: step.Settings, params: optax.Params) -> GSAMState:
   zero = lambda: jnp.zeros([], jnp.float32)
   zero_count = lambda: jnp.zeros([], jnp.int32)
   policy = settings.policy
+  check_direction(settings.ascent, settings.mask, params)  # descent or pass-through: refused
   return GSAMState(
     count=zero_count(),
     last_rho=zero(),
@@ -254,29 +256,13 @@ def _microbatch_settings(microbatches, perturb_each_microbatch, num_groups, sync
   return (microbatches, None) if perturb_each_microbatch else (None, microbatches)
 
 
-def _check_ascent(settings: step.Settings) -> None:
-  if settings.ascent is not None:
-    if settings.adaptive is not None:
-      raise ValueError(
-        "adaptive and ascent both choose the ascent direction: pass ascent="
-        f"optax_gsam.adaptive_ascent({settings.adaptive!r}) alone."
-      )
-    if not isinstance(settings.ascent, optax.GradientTransformation):
-      raise ValueError(
-        "ascent must be an optax.GradientTransformation mapping a gradient to a perturbation of "
-        f"radius 1 (e.g. optax_gsam.normalized_ascent()), got {settings.ascent!r}."
-      )
-  check_positive_int("ascent_steps", settings.ascent_steps)
-  check_mask(settings.mask)
-
-
 def _validated(settings: step.Settings) -> step.Settings:
   """Validates gsam's static arguments eagerly; every error names its argument."""
   check_non_negative("alpha", settings.alpha)
   check_positive("eps", settings.eps)
   if settings.adaptive not in pert.ADAPTIVE_CHOICES:
     raise ValueError(f"adaptive must be one of {pert.ADAPTIVE_CHOICES}, got {settings.adaptive!r}.")
-  _check_ascent(settings)
+  check_ascent(settings)
   for name, flag in (
     ("minimize_fp", settings.minimize_fp),
     ("sync_perturbation", settings.sync_perturbation),
