@@ -422,8 +422,8 @@ def gsam(
 
   Both work with ``axis_name`` (they split each device's batch). See
   docs/large_batches.md. ``optax.MultiSteps`` around the transform is
-  refused: it would perturb along the accumulated gradient but evaluate only
-  the last micro-batch's ``loss_fn``.
+  refused (but for ``every_k_schedule=1``): it would perturb along the
+  accumulated gradient but evaluate only the last micro-batch's ``loss_fn``.
 
   **The ascent stage.** ``ascent`` is an ``optax.GradientTransformation``
   mapping a gradient to a perturbation of radius 1 (the default is
@@ -434,9 +434,11 @@ def gsam(
   the point reached; a stateful direction advances once, from :math:`g_c`.
   ``mask`` (a pytree of Python bools, or a function of the params returning
   one, as ``optax.masked`` takes) restricts the perturbation to the selected
-  leaves; every leaf's gradient is still taken at the perturbed point. The transform must be the first stage of its
-  ``optax.chain`` (a stage before it would be lost; this is refused), and
-  not inside ``optax.masked`` (use ``mask``). See docs/directions.md.
+  leaves; every leaf's gradient is still taken at the perturbed point. The
+  transform must be the first stage of its ``optax.chain`` (a stage before
+  it would be lost; this is refused, but for ``optax.identity()`` and
+  :func:`optax_gsam.passthrough` stages), and not inside ``optax.masked``
+  (use ``mask``). See docs/directions.md.
 
   **Cheap steps.** A ``policy`` (:class:`optax_gsam.SharpnessPolicy`) decides
   at each step between the full step above and a cheap one that needs only
