@@ -287,15 +287,26 @@ def _per_leaf_unit():
   return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
 
 
+def _synchronized_unit():
+  """A direction averaged over a data axis: it cannot run on the probe, so it is not checked."""
+
+  def update_fn(grads, state, params=None):
+    grads = jax.lax.pmean(grads, "data")
+    return jax.tree.map(lambda g: g / optax.tree.norm(grads), grads), state
+
+  return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
+
+
 @pytest.mark.parametrize(
   "ascent",
   [
     _per_leaf_unit(),
+    _synchronized_unit(),
     optax.chain(optax.scale_by_adam(), optax_gsam.normalized_ascent()),
     optax.chain(optax.masked(optax.scale(3.0), {"b": False, "w": True}), _per_leaf_unit()),
     optax_gsam.friendly_ascent(sigma=20.0, decay=0.9),  # the package's own: never probed
   ],
-  ids=["per-leaf", "adam", "masked-preconditioner", "friendly"],
+  ids=["per-leaf", "needs-an-axis", "adam", "masked-preconditioner", "friendly"],
 )
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_directions_of_radius_one_are_accepted(ascent, dtype):

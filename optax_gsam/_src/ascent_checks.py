@@ -63,13 +63,16 @@ def check_ascent(settings: Any) -> None:
   check_mask(settings.mask)
 
 
+def _probe_dtype(param: Any) -> Any:
+  dtype = jnp.result_type(param)
+  return dtype if jnp.issubdtype(dtype, jnp.inexact) else jnp.float32
+
+
 def _probe_leaf(param: Any) -> jax.Array:
   """Positive values from 2 to 4 (exact in bfloat16): far from a unit norm, never all equal."""
-  shape, dtype = jnp.shape(param), jnp.result_type(param)
-  if not jnp.issubdtype(dtype, jnp.inexact):
-    dtype = jnp.float32
+  shape = jnp.shape(param)
   values = 2.0 + (np.arange(int(np.prod(shape))) % 5) * 0.5
-  return jnp.asarray(values.reshape(shape), dtype)
+  return jnp.asarray(values.reshape(shape), _probe_dtype(param))
 
 
 def _on_host():
@@ -90,7 +93,7 @@ def _probe(ascent: optax.GradientTransformation, mask: Any, params: optax.Params
   """The direction's output and the probe gradient (masked, as float64 leaves) and the mask's
   selection per leaf; None where the direction cannot run on the probe."""
   with _on_host(), jax.ensure_compile_time_eval():
-    ones = jax.tree.map(lambda p: jnp.ones(jnp.shape(p), _probe_leaf(p).dtype), params)
+    ones = jax.tree.map(lambda p: jnp.ones(jnp.shape(p), _probe_dtype(p)), params)
     mask_tree = resolve_mask(mask, ones)
     grads = select_leaves(mask_tree, jax.tree.map(_probe_leaf, params))
     try:
