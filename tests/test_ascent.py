@@ -297,16 +297,39 @@ def _synchronized_unit():
   return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
 
 
+def _random_unit(seed):
+  """Random weight perturbation: the direction does not depend on the gradient at all."""
+
+  def update_fn(grads, key, params=None):
+    key, *keys = jax.random.split(key, 1 + len(jax.tree.leaves(grads)))
+    leaves, treedef = jax.tree.flatten(grads)
+    noise = [jax.random.normal(k, g.shape, jnp.float32) for k, g in zip(keys, leaves, strict=True)]
+    noise = jax.tree.unflatten(treedef, noise)
+    return jax.tree.map(lambda n: n / optax.tree.norm(noise), noise), key
+
+  return optax.GradientTransformation(lambda params: jax.random.key(seed), update_fn)
+
+
 @pytest.mark.parametrize(
   "ascent",
   [
     _per_leaf_unit(),
     _synchronized_unit(),
+    _random_unit(0),  # <a, g> < 0 on the probe for both: a(-g) shows that they do not descend
+    _random_unit(1),
     optax.chain(optax.scale_by_adam(), optax_gsam.normalized_ascent()),
     optax.chain(optax.masked(optax.scale(3.0), {"b": False, "w": True}), _per_leaf_unit()),
     optax_gsam.friendly_ascent(sigma=20.0, decay=0.9),  # the package's own: never probed
   ],
-  ids=["per-leaf", "needs-an-axis", "adam", "masked-preconditioner", "friendly"],
+  ids=[
+    "per-leaf",
+    "needs-an-axis",
+    "random-0",
+    "random-1",
+    "adam",
+    "masked-preconditioner",
+    "friendly",
+  ],
 )
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_directions_of_radius_one_are_accepted(ascent, dtype):

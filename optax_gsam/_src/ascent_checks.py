@@ -6,9 +6,11 @@ without any error in the arrays, so :func:`check_direction` runs a direction
 given as ``ascent=`` once, at ``init``, on a probe gradient :math:`g` (positive
 values between 2 and 4, params-shaped, with params of ones) and refuses:
 
-* a descent direction, :math:`\langle a(g), g\rangle < 0`: an optax optimizer's
-  output (``optax.sgd``, the adversarial optimizer of ``optax.contrib.sam``),
-  which is the negated direction;
+* a descent direction, :math:`\langle a(g), g\rangle < 0` and
+  :math:`\langle a(-g), -g\rangle < 0`: an optax optimizer's output
+  (``optax.sgd``, the adversarial optimizer of ``optax.contrib.sam``), which is
+  the negated direction. A direction that does not depend on the gradient (a
+  random perturbation) cannot be below 0 on both, so it passes;
 * a leaf passed through unchanged, :math:`a(g)_\ell = g_\ell`: what
   ``optax.masked`` does outside its mask, which would perturb that leaf by
   :math:`\rho_t` times its raw gradient.
@@ -90,23 +92,26 @@ def _as_numpy(tree: Any) -> list[np.ndarray]:
 
 
 def _probe(ascent: optax.GradientTransformation, mask: Any, params: optax.Params):
-  """The direction's output and the probe gradient (masked, as float64 leaves) and the mask's
-  selection per leaf; None where the direction cannot run on the probe."""
+  """The direction's outputs on the probe g and on -g, the probe g (all masked, as float64
+  leaves) and the mask's selection per leaf; None where the direction cannot run on the probe."""
   with _on_host(), jax.ensure_compile_time_eval():
     ones = jax.tree.map(lambda p: jnp.ones(jnp.shape(p), _probe_dtype(p)), params)
     mask_tree = resolve_mask(mask, ones)
     grads = select_leaves(mask_tree, jax.tree.map(_probe_leaf, params))
     try:
-      unit, _ = ascent.update(grads, ascent.init(ones), ones)
-      unit = select_leaves(mask_tree, unit)
+      units = [
+        select_leaves(mask_tree, ascent.update(g, ascent.init(ones), ones)[0])
+        for g in (grads, optax.tree.scale(-1.0, grads))
+      ]
     except Exception:  # fail open: the first update raises the same error
       return None
-    if jax.tree.structure(unit) != jax.tree.structure(grads) or any(
-      isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(unit)
-    ):
-      return None
+    for unit in units:
+      if jax.tree.structure(unit) != jax.tree.structure(grads) or any(
+        isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(unit)
+      ):
+        return None
     selected = jax.tree.leaves(select_leaves(mask_tree, jax.tree.map(lambda _: True, params)))
-    return _as_numpy(unit), _as_numpy(grads), selected
+    return _as_numpy(units[0]), _as_numpy(units[1]), _as_numpy(grads), selected
 
 
 def _passed_through(unit: list, grads: list, selected: list, params: optax.Params) -> str | None:
@@ -133,7 +138,7 @@ def check_direction(
   probed = _probe(ascent, mask, params)
   if probed is None:
     return
-  unit, grads, selected = probed
+  unit, unit_of_negated, grads, selected = probed
   leaf = _passed_through(unit, grads, selected, params)
   if leaf is not None:
     raise ValueError(
@@ -143,5 +148,11 @@ def check_direction(
       "direction itself with the transform's mask=, e.g. optax_gsam.sam(0.05, "
       "ascent=direction, mask=mask) (docs/directions.md)."
     )
-  if sum(float(np.sum(np.real(np.conj(a) * g))) for a, g in zip(unit, grads, strict=True)) < 0:
+  negated = [-g for g in grads]
+  if _inner(unit, grads) < 0 and _inner(unit_of_negated, negated) < 0:
     raise ValueError(DESCENT_FIX)
+
+
+def _inner(a: list, b: list) -> float:
+  r""":math:`\operatorname{Re} \sum \bar a b` over the leaves."""
+  return sum(float(np.sum(np.real(np.conj(x) * y))) for x, y in zip(a, b, strict=True))
