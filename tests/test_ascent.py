@@ -217,8 +217,9 @@ NOT_B = lambda q: jax.tree_util.tree_map_with_path(  # a mask by path, as users 
 def test_a_mask_function_under_inject_hyperparams_is_refused_unless_static():
   """inject_hyperparams used to call it with the step count: mask=True, every leaf perturbed."""
   params, x, t = make_data(11)
-  with pytest.raises(ValueError, match=r"static_args=\('mask',\)"):
-    optax.inject_hyperparams(optax_gsam.sam)(rho=RHO, mask=NOT_B).init(params)
+  for factory in (optax_gsam.sam, optax_gsam.momentum_sam):
+    with pytest.raises(ValueError, match=r"static_args=\('mask',\)"):
+      optax.inject_hyperparams(factory)(rho=RHO, mask=NOT_B).init(params)
   direction, _ = DIRECTIONS["sam"]
   with jax.enable_x64(True):
     loss_fn = lambda p: loss_jax(p, jnp.asarray(x), jnp.asarray(t))
