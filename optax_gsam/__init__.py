@@ -32,6 +32,7 @@ from optax_gsam._src.perturbation import orthogonal_component
 from optax_gsam._src.perturbation import perturbation
 from optax_gsam._src.perturbation import reuse_direction
 from optax_gsam._src.perturbation import stable_global_norm
+from optax_gsam._src.placement import passthrough
 from optax_gsam._src.policies import GradientNormState
 from optax_gsam._src.policies import RandomPolicyState
 from optax_gsam._src.policies import SharpnessPolicy
@@ -81,6 +82,7 @@ __all__ = (
   "momentum_sam",
   "normalized_ascent",
   "orthogonal_component",
+  "passthrough",
   "perturbation",
   "random_policy",
   "reuse_direction",

@@ -75,16 +75,21 @@ DIRECTIONS = {
 
 
 def reference_output(w, x, t, direction, state, steps=1, mask=None):
-  """One replica's GSAM gradient (minimize_fp) after ``steps`` ascent steps, and its state."""
+  """One replica's GSAM gradient (minimize_fp) after ``steps`` ascent steps, and its state.
+
+  The direction's state advances once, from the clean gradient; every ascent
+  step applies the direction at the state of the step's start.
+  """
   mask = np.ones_like(w) if mask is None else mask
   g_c = grad_np(w, x, t)
   epsilon, g = np.zeros_like(w), g_c
+  _, next_state = direction(g_c * mask, state, w)
   for _ in range(steps):
-    unit, state = direction(g * mask, state, w)
+    unit, _ = direction(g * mask, state, w)
     epsilon = epsilon + RHO / steps * unit * mask
     g = grad_np(w + epsilon, x, t)
   g_p = g
-  return g_p - ALPHA * (g_c - g_c @ g_p / (g_p @ g_p) * g_p), state
+  return g_p - ALPHA * (g_c - g_c @ g_p / (g_p @ g_p) * g_p), next_state
 
 
 def reference_run(params, x, t, direction, steps=1, mask=None, shards=1, num_steps=3):

@@ -137,6 +137,7 @@ def test_a_new_direction_is_an_optax_transformation():
     (dict(ascent_steps=0), "ascent_steps"),
     (dict(mask={"w": jnp.asarray(True)}), "mask must be a pytree of Python bools"),
     (dict(mask={"b": False, "w": False}), "mask selects no leaf"),
+    (dict(mask=True), r"bare bool True.*mask=None"),
   ],
 )
 def test_bad_ascent_arguments_are_refused_at_construction(kwargs, match):
@@ -183,3 +184,156 @@ def test_an_injected_eps_reaches_the_direction():
   expected, _ = plain.update(grads, plain.init(params), params, loss_fn=loss_fn)
   got, _ = injected.update(grads, injected.init(params), params, loss_fn=loss_fn)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), got, expected)
+
+
+def test_a_stateful_direction_advances_once_per_step_from_the_clean_gradient():
+  """With n ascent steps the state used to advance n times, from the intermediate gradients."""
+  with jax.enable_x64(True):
+    params, x, t = make_data(10)
+    loss_fn = lambda p: loss_jax(p, jnp.asarray(x), jnp.asarray(t))
+    grads = jax.grad(loss_fn)(params)
+    friendly = optax_gsam.sam(RHO, ascent=optax_gsam.friendly_ascent(1.0, 0.9), ascent_steps=2)
+    _, state = friendly.update(grads, friendly.init(params), params, loss_fn=loss_fn)
+    expected = jax.tree.map(lambda g: 0.1 * np.asarray(g), grads)  # m_1 = (1 - 0.9) g_c
+    jax.tree.map(
+      functools.partial(np.testing.assert_allclose, rtol=1e-14),
+      state.ascent_state.gradient_average,
+      expected,
+    )
+    adam = optax_gsam.sam(
+      RHO,
+      ascent=optax.chain(optax.scale_by_adam(), optax_gsam.normalized_ascent()),
+      ascent_steps=3,
+    )
+    _, state = adam.update(grads, adam.init(params), params, loss_fn=loss_fn)
+    assert int(state.ascent_state[0].count) == 1
+
+
+NOT_B = lambda q: jax.tree_util.tree_map_with_path(  # a mask by path, as users write them
+  lambda path, _: "'b'" not in jax.tree_util.keystr(path), q
+)
+
+
+def test_a_mask_function_under_inject_hyperparams_is_refused_unless_static():
+  """inject_hyperparams used to call it with the step count: mask=True, every leaf perturbed."""
+  params, x, t = make_data(11)
+  for factory in (optax_gsam.sam, optax_gsam.momentum_sam):
+    with pytest.raises(ValueError, match=r"static_args=\('mask',\)"):
+      optax.inject_hyperparams(factory)(rho=RHO, mask=NOT_B).init(params)
+  direction, _ = DIRECTIONS["sam"]
+  with jax.enable_x64(True):
+    loss_fn = lambda p: loss_jax(p, jnp.asarray(x), jnp.asarray(t))
+    injected = optax.inject_hyperparams(optax_gsam.gsam, static_args=("mask",))
+    tx = optax.chain(injected(rho=RHO, alpha=ALPHA, mask=NOT_B), optax.sgd(LR))
+    p, state = jax.tree.map(jnp.asarray, params), tx.init(params)
+    for _ in range(3):
+      updates, state = tx.update(jax.grad(loss_fn)(p), state, p, loss_fn=loss_fn)
+      p = optax.apply_updates(p, updates)
+    mask_vec = np.concatenate([np.zeros(3), np.ones(15)])  # "b" left out
+    expected = reference_run(params, x, t, direction, mask=mask_vec)
+    np.testing.assert_allclose(flat(p), expected, rtol=1e-11)
+
+
+# The adversarial optimizer of optax.contrib.sam, at radius 1: an optimizer outputs -a.
+PORTED = optax.chain(optax.contrib.normalize(), optax.sgd(1.0))
+
+
+@pytest.mark.parametrize(
+  "make",
+  [
+    lambda: optax_gsam.sam(RHO, ascent=PORTED),
+    lambda: optax.inject_hyperparams(optax_gsam.gsam)(rho=RHO, alpha=ALPHA, ascent=PORTED),
+    lambda: optax.chain(optax_gsam.sam(RHO, ascent=optax.chain(optax.scale_by_adam(), PORTED))),
+  ],
+  ids=["sam", "inject_hyperparams", "adam-preconditioned"],
+)
+@pytest.mark.parametrize("jit", [False, True])
+def test_an_optimizer_as_the_direction_is_refused_at_init_with_the_negation(make, jit):
+  """It used to perturb downhill: a negative surrogate gap (-0.0508 where SAM gives +0.0511)."""
+  params, _, _ = make_data(12)
+  tx = make()
+  init = jax.jit(tx.init) if jit else tx.init
+  with pytest.raises(ValueError, match=r"descent direction.*optax.scale\(-1.0\)"):
+    init(params)
+
+
+def test_the_negated_optimizer_is_the_default_direction():
+  with jax.enable_x64(True):
+    params, x, t = make_data(13)
+    ported, _ = run_gsam(params, x, t, ascent=optax.chain(PORTED, optax.scale(-1.0)))
+    direction, _ = DIRECTIONS["sam"]
+    np.testing.assert_allclose(flat(ported), reference_run(params, x, t, direction), rtol=1e-11)
+
+
+def test_optax_masked_as_the_direction_is_refused_naming_mask():
+  """Outside its mask optax.masked passed the raw gradient on: b moved by rho * g_b."""
+  params, x, t = make_data(14)
+  keep_w = {"b": False, "w": True}
+  masked = optax.masked(optax_gsam.normalized_ascent(), keep_w)
+  with pytest.raises(ValueError, match=r"params\['b'\] through unchanged.*mask=mask"):
+    optax_gsam.sam(RHO, ascent=masked).init(params)
+  with jax.enable_x64(True):  # with the transform's own mask, the same direction is right
+    p, _ = run_gsam(params, x, t, ascent=masked, mask=keep_w)
+    mask_vec = np.concatenate([np.zeros(3), np.ones(15)])
+    expected = reference_run(params, x, t, DIRECTIONS["sam"][0], mask=mask_vec)
+    np.testing.assert_allclose(flat(p), expected, rtol=1e-11)
+
+
+def _per_leaf_unit():
+  """A legitimate direction of the user's own: each leaf normalized on its own, bfloat16-safe."""
+
+  def update_fn(grads, state, params=None):
+    return jax.tree.map(lambda g: g / jnp.linalg.norm(g.astype(jnp.float32)), grads), state
+
+  return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
+
+
+def _synchronized_unit():
+  """A direction averaged over a data axis: it cannot run on the probe, so it is not checked."""
+
+  def update_fn(grads, state, params=None):
+    grads = jax.lax.pmean(grads, "data")
+    return jax.tree.map(lambda g: g / optax.tree.norm(grads), grads), state
+
+  return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
+
+
+def _random_unit(seed):
+  """Random weight perturbation: the direction does not depend on the gradient at all."""
+
+  def update_fn(grads, key, params=None):
+    key, *keys = jax.random.split(key, 1 + len(jax.tree.leaves(grads)))
+    leaves, treedef = jax.tree.flatten(grads)
+    noise = [jax.random.normal(k, g.shape, jnp.float32) for k, g in zip(keys, leaves, strict=True)]
+    noise = jax.tree.unflatten(treedef, noise)
+    return jax.tree.map(lambda n: n / optax.tree.norm(noise), noise), key
+
+  return optax.GradientTransformation(lambda params: jax.random.key(seed), update_fn)
+
+
+@pytest.mark.parametrize(
+  "ascent",
+  [
+    _per_leaf_unit(),
+    _synchronized_unit(),
+    _random_unit(0),  # <a, g> < 0 on the probe for both: a(-g) shows that they do not descend
+    _random_unit(1),
+    optax.chain(optax.scale_by_adam(), optax_gsam.normalized_ascent()),
+    optax.chain(optax.masked(optax.scale(3.0), {"b": False, "w": True}), _per_leaf_unit()),
+    optax_gsam.friendly_ascent(sigma=20.0, decay=0.9),  # the package's own: never probed
+  ],
+  ids=[
+    "per-leaf",
+    "needs-an-axis",
+    "random-0",
+    "random-1",
+    "adam",
+    "masked-preconditioner",
+    "friendly",
+  ],
+)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_directions_of_radius_one_are_accepted(ascent, dtype):
+  params, _, _ = make_data(15)
+  params = jax.tree.map(lambda v: jnp.asarray(v, dtype), params)
+  optax_gsam.sam(RHO, ascent=ascent).init(params)

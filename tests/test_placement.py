@@ -3,7 +3,9 @@
 A stage placed before gsam/sam used to be silently lost (the transform takes
 the gradient again at the perturbed weights); these placements are refused,
 and the documented one (clipping and weight decay after the transform) applies
-to the emitted gradient.
+to the emitted gradient. What loses nothing is accepted and gives the plain
+chain's answer: ``optax.identity()`` or a ``passthrough`` stage before the
+transform, ``optax.MultiSteps`` with ``every_k_schedule=1``.
 """
 
 import jax
@@ -20,8 +22,12 @@ LOSS = lambda w: jnp.sum(jnp.cos(3.0 * w) + w**4)
 
 @pytest.mark.parametrize(
   "before",
-  [optax.clip_by_global_norm(1e-3), optax.add_decayed_weights(0.5), optax.identity()],
-  ids=["clip", "decay", "identity"],
+  [
+    optax.clip_by_global_norm(1e-3),
+    optax.add_decayed_weights(0.5),
+    optax.chain(optax.identity(), optax.scale(0.5)),
+  ],
+  ids=["clip", "decay", "identity-then-scale"],
 )
 @pytest.mark.parametrize(
   "make", [lambda: optax_gsam.sam(0.05), lambda: optax_gsam.momentum_sam(0.05)]
@@ -77,3 +83,112 @@ def test_rho_under_inject_hyperparams_is_the_value_used_at_the_last_step():
     rho = optax.tree.get(state, "rho", filtering=is_array)
     assert float(rho) == pytest.approx(float(schedule(i)))
     assert float(optax.tree.get(state, "last_rho")) == pytest.approx(float(schedule(i)))
+
+
+MAKERS = [lambda: optax_gsam.sam(0.05), lambda: optax_gsam.momentum_sam(0.05)]
+
+
+def _first_update(tx):
+  return tx.update(jax.grad(LOSS)(W), tx.init(W), W, loss_fn=LOSS)
+
+
+@pytest.mark.parametrize("make", MAKERS, ids=["sam", "momentum_sam"])
+def test_a_stage_before_the_transform_in_a_named_chain_is_refused(make):
+  """named_chain used to drop the clip silently (|u| = 0.10 instead of 1e-4)."""
+  tx = optax.named_chain(
+    ("clip", optax.clip_by_global_norm(1e-3)), ("sharp", make()), ("sgd", optax.sgd(0.1))
+  )
+  with pytest.raises(ValueError, match=r"first transformation.*after"):
+    _first_update(tx)
+  first = optax.named_chain(("sharp", make()), ("clip", optax.clip_by_global_norm(1e-3)))
+  updates, _ = _first_update(first)
+  assert float(jnp.linalg.norm(updates)) == pytest.approx(1e-3, rel=1e-5)
+
+
+def _plain_and(before):
+  """The updates of chain(transform, sgd) and of ``before`` wrapped around the same transform."""
+  plain = optax.chain(optax_gsam.sam(0.05), optax.sgd(0.1))
+  return _first_update(plain)[0], _first_update(before(plain))[0]
+
+
+@pytest.mark.parametrize(
+  "wrap",
+  [
+    lambda plain: optax.chain(optax.identity(), optax_gsam.sam(0.05), optax.sgd(0.1)),
+    lambda plain: optax.named_chain(
+      ("noop", optax.identity()), ("sam", optax_gsam.sam(0.05)), ("sgd", optax.sgd(0.1))
+    ),
+    lambda plain: optax.chain(optax.identity(), plain),
+    lambda plain: optax.MultiSteps(plain, every_k_schedule=1),
+  ],
+  ids=["identity", "named-identity", "identity-nested", "multisteps-1"],
+)
+def test_what_loses_nothing_is_accepted_and_gives_the_plain_chains_answer(wrap):
+  expected, got = _plain_and(wrap)
+  np.testing.assert_array_equal(got, expected)
+
+
+def test_multisteps_with_one_step_under_jit_over_several_steps():
+  plain = optax.chain(optax_gsam.gsam(0.05, 0.3), optax.sgd(0.1))
+  multi = optax.MultiSteps(optax.chain(optax_gsam.gsam(0.05, 0.3), optax.sgd(0.1)), 1)
+  results = []
+  for tx in (plain, multi):
+    step = jax.jit(lambda w, s, tx=tx: tx.update(jax.grad(LOSS)(w), s, w, loss_fn=LOSS))
+    w, state = W, tx.init(W)
+    for _ in range(3):
+      updates, state = step(w, state)
+      w = optax.apply_updates(w, updates)
+    results.append(w)
+  np.testing.assert_allclose(results[1], results[0], rtol=1e-6)
+
+
+def test_multisteps_with_a_schedule_that_may_accumulate_is_still_refused():
+  """A schedule giving an array may exceed 1 at a later step; only a Python int 1 is safe."""
+  schedule = lambda step: jnp.where(step < 10, 1, 2)
+  tx = optax.MultiSteps(optax.chain(optax_gsam.sam(0.05), optax.sgd(0.1)), schedule)
+  with pytest.raises(ValueError, match=r"MultiSteps.*microbatches=k"):
+    _first_update(tx)
+
+
+def _norm_logger():
+  """A stage that only reads the gradient: its state is the norm of the last one."""
+
+  def update_fn(updates, state, params=None):
+    del state, params
+    return updates, optax.tree.norm(updates)
+
+  return optax.GradientTransformation(lambda params: jnp.zeros([]), update_fn)
+
+
+def test_a_logging_stage_before_the_transform_is_refused_unless_marked_passthrough():
+  with pytest.raises(ValueError, match=r"passthrough"):
+    _first_update(optax.chain(_norm_logger(), optax_gsam.sam(0.05), optax.sgd(0.1)))
+  tx = optax.chain(optax_gsam.passthrough(_norm_logger()), optax_gsam.sam(0.05), optax.sgd(0.1))
+  expected, _ = _first_update(optax.chain(optax_gsam.sam(0.05), optax.sgd(0.1)))
+  updates, state = _first_update(tx)
+  np.testing.assert_array_equal(updates, expected)
+  assert float(state[0]) == pytest.approx(float(jnp.linalg.norm(jax.grad(LOSS)(W))), rel=1e-6)
+  named = optax.named_chain(
+    ("log", optax_gsam.passthrough(_norm_logger())), ("sam", optax_gsam.sam(0.05))
+  )
+  np.testing.assert_array_equal(_first_update(named)[0], _first_update(optax_gsam.sam(0.05))[0])
+
+
+def test_passthrough_discards_what_its_stage_outputs():
+  """A clip wrapped in passthrough clips nothing: the wrapper cannot lose a change silently."""
+  tx = optax_gsam.passthrough(optax.clip_by_global_norm(1e-3))
+  grads = jax.grad(LOSS)(W)
+  updates, _ = tx.update(grads, tx.init(W), W, loss_fn=LOSS)  # extra args are dropped for it
+  np.testing.assert_array_equal(updates, grads)
+
+
+def test_optax_masked_around_momentum_sam_names_the_mask_argument():
+  """It used to raise a TypeError about MaskedNode from inside the user's loss."""
+  params = {"w": W, "b": jnp.array([0.3])}
+  loss_fn = lambda p: LOSS(p["w"]) + jnp.sum(p["b"] ** 2)
+  tx = optax.chain(
+    optax.masked(optax_gsam.momentum_sam(0.05), {"w": True, "b": False}), optax.sgd(0.1)
+  )
+  grads = jax.grad(loss_fn)(params)
+  with pytest.raises(ValueError, match=r"momentum_sam got params with optax.MaskedNode.*mask="):
+    tx.update(grads, tx.init(params), params, loss_fn=loss_fn)

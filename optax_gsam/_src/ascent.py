@@ -1,13 +1,23 @@
 r"""Ascent directions: where the weights move before the perturbed pass.
 
-An ascent direction is an ``optax.GradientTransformation``, shaped like the
-adversarial optimizer of ``optax.contrib.sam``: its ``update(grads, state,
-params)`` maps a gradient to a perturbation of radius 1, and the sharpness
-stage scales it by :math:`\rho_t`:
+An ascent direction is an ``optax.GradientTransformation`` whose
+``update(grads, state, params)`` maps a gradient to an *ascent* direction of
+radius 1, and the sharpness stage scales it by :math:`\rho_t`:
 
 .. math::
 
-  (a_t, s_{t+1}) = \text{ascent.update}(g, s_t, w), \qquad \epsilon = \rho_t \, a_t .
+  (a_t, s_{t+1}) = \text{ascent.update}(g, s_t, w), \qquad \epsilon = \rho_t \, a_t,
+  \qquad \langle a_t, g\rangle \ge 0 .
+
+That is the sign of a gradient, not of an optimizer's update: an optax
+optimizer outputs the negated (descent) direction, which ``optax.contrib.sam``
+negates back for its adversarial optimizer and this package does not. Port
+such an optimizer with its negation and at radius 1:
+``optax.chain(optax.contrib.normalize(), optax.sgd(1.0), optax.scale(-1.0))``
+is :func:`normalized_ascent`. A direction given as ``ascent=`` is run once at
+``init`` on a probe gradient, and a descent direction, or one that passes a
+leaf's gradient through unchanged (``optax.masked`` outside its mask), is
+refused there with the fix (see :mod:`optax_gsam._src.ascent_checks`).
 
 SAM's normalized gradient, the adaptive forms of GSAM and ASAM, Friendly-SAM
 and VaSSO are directions here; any optax transformation that ends in a
@@ -19,6 +29,7 @@ over the data axis with per-device perturbation.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 from typing import NamedTuple
 
@@ -35,6 +46,14 @@ from optax_gsam._src.validation import check_non_negative
 from optax_gsam._src.validation import check_positive
 from optax_gsam._src.validation import check_unit_interval
 from optax_gsam.typing import Adaptive
+
+# The update functions of this module's directions, which the probe at init need not check.
+KNOWN_DIRECTIONS: weakref.WeakSet = weakref.WeakSet()
+
+
+def _known(tx: optax.GradientTransformation) -> optax.GradientTransformation:
+  KNOWN_DIRECTIONS.add(tx.update)
+  return tx
 
 
 def _scaled(tree: optax.Updates, scale: jax.Array, like: optax.Params) -> optax.Updates:
@@ -84,7 +103,7 @@ def normalized_ascent(eps: float | jax.Array = 1e-12) -> optax.GradientTransform
   def update_fn(grads, state, params=None):
     return _unit(grads, eps, grads if params is None else params), state
 
-  return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
+  return _known(optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn))
 
 
 def adaptive_ascent(kind: Adaptive, eps: float | jax.Array = 1e-12) -> optax.GradientTransformation:
@@ -130,7 +149,7 @@ def adaptive_ascent(kind: Adaptive, eps: float | jax.Array = 1e-12) -> optax.Gra
     scale = 1.0 / (stable_global_norm(direction) + eps)
     return _scaled(jax.tree.map(jnp.multiply, direction, weight), scale, params), state
 
-  return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
+  return _known(optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn))
 
 
 class FriendlyAscentState(NamedTuple):
@@ -192,7 +211,7 @@ def friendly_ascent(
     like = grads if params is None else params
     return _unit(noise, eps, like), FriendlyAscentState(average)
 
-  return optax.GradientTransformation(init_fn, update_fn)
+  return _known(optax.GradientTransformation(init_fn, update_fn))
 
 
 class VassoState(NamedTuple):
@@ -247,7 +266,7 @@ def vasso_ascent(theta: float = 0.4, *, eps: float = 1e-12) -> optax.GradientTra
     smoothed = _moving_average(state.smoothed_gradient, grads, 1.0 - theta)
     return _unit(smoothed, eps, grads if params is None else params), VassoState(smoothed)
 
-  return optax.GradientTransformation(init_fn, update_fn)
+  return _known(optax.GradientTransformation(init_fn, update_fn))
 
 
 def ascent_from_adaptive(
@@ -260,17 +279,36 @@ def ascent_from_adaptive(
 MaskOrFn = Any  # a pytree of Python bools (a prefix of params), or params -> such a pytree
 
 
+_INJECTED_MASK_FIX = (
+  "optax.inject_hyperparams calls a function it is given as a schedule, with the step count, "
+  "so a mask function arrives evaluated on a scalar: pass static_args=('mask',) to "
+  "optax.inject_hyperparams."
+)
+
+
 def check_mask(mask: MaskOrFn) -> None:
-  """A mask is None, a callable, or a pytree whose leaves are Python bools (static)."""
+  """A mask is None, a callable, or a pytree whose leaves are Python bools (static).
+
+  A bare bool is refused: ``None`` already means every leaf, and a bare bool is
+  what a mask function gives when ``optax.inject_hyperparams`` evaluates it as
+  a schedule on the step count.
+  """
   if mask is None or callable(mask):
     return
+  if isinstance(mask, (bool, np.bool_)):
+    raise ValueError(
+      f"mask is the bare bool {mask!r}, not a pytree of bools over params. "
+      + _INJECTED_MASK_FIX
+      + " To perturb every leaf, leave mask=None."
+    )
   leaves = jax.tree.leaves(mask)
   bad = [leaf for leaf in leaves if not isinstance(leaf, (bool, np.bool_))]
   if bad:
     raise ValueError(
       "mask must be a pytree of Python bools (True: perturb the leaf) with the structure of "
       "params or a prefix of it, or a function params -> such a pytree, as optax.masked takes; "
-      f"got a leaf {bad[0]!r}. Arrays are not accepted: the mask decides the program's shape."
+      f"got a leaf {bad[0]!r}. Arrays are not accepted: the mask decides the program's shape. "
+      "If a mask function was given to optax.inject_hyperparams: " + _INJECTED_MASK_FIX
     )
   if leaves and not any(bool(leaf) for leaf in leaves):
     raise ValueError("mask selects no leaf: nothing would be perturbed. Use the base optimizer.")

@@ -21,6 +21,7 @@ from optax_gsam._src.ascent import resolve_mask
 from optax_gsam._src.ascent import select_leaves
 from optax_gsam._src.microbatch import accumulated
 from optax_gsam._src.microbatch import microbatch_fns
+from optax_gsam._src.placement import check_not_masked
 from optax_gsam._src.placement import check_placement
 from optax_gsam._src.schedules import value_at
 from optax_gsam._src.user_functions import check_extra_args
@@ -195,6 +196,7 @@ def momentum_sam(
     check_placement("momentum_sam")
     check_extra_args(extra_args, known=("loss_fn", "value_and_grad_fn", "batch"))
     params = numbers_as_arrays(params)
+    check_not_masked(params, "momentum_sam")
     check_update_inputs(params if updates is None else updates, params, state.momentum)
     if check_axis:
       check_data_axis_is_set(axis_name)

@@ -9,17 +9,24 @@ refused while the update is traced, with the fix. ``optax.masked`` around the
 transform is refused where its params reach the loss (see
 :func:`check_not_masked`).
 
+What would lose nothing is accepted: stages before the transform that leave
+the gradient as it is (``optax.identity()``, and any stage wrapped in
+:func:`passthrough`, which discards its output), and ``optax.MultiSteps``
+with ``every_k_schedule=1`` (an int), which accumulates nothing.
+
 The checks read the Python call stack at trace time (never in the compiled
-step): optax's ``chain`` and ``MultiSteps`` leave no other trace in what the
-transform receives. They fail open: an optax release that renames the frames'
-variables disables them rather than raising.
+step): optax's ``chain``, ``named_chain`` and ``MultiSteps`` leave no other
+trace in what the transform receives. They fail open: an optax release that
+renames the frames' variables disables them rather than raising.
 """
 
 from __future__ import annotations
 
+import numbers
 import os
 import sys
 import types
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -41,31 +48,134 @@ CHAIN_FIX = (
   "(clipping, weight decay, ...) would be silently lost. Put those stages after the "
   "transform, e.g. optax.chain(optax_gsam.sam(0.05), optax.clip_by_global_norm(1.0), "
   "optax.add_decayed_weights(1e-4), optax.sgd(0.1)), where they apply to the sharpness-aware "
-  "gradient (docs/design.md, 'Where the transform sits')."
+  "gradient (docs/design.md, 'Where the transform sits'). A stage that only reads the "
+  "gradient (logging its norm, say) can stay before the transform wrapped in "
+  "optax_gsam.passthrough(stage), which keeps its state and passes the gradient on unchanged."
 )
 
 
-def _is_multisteps(value: Any) -> bool:
-  return isinstance(value, optax.MultiSteps)
+def passthrough(
+  tx: optax.GradientTransformation,
+) -> optax.GradientTransformationExtraArgs:
+  r"""A stage that runs ``tx`` for its state and passes the gradient on unchanged.
+
+  .. math::
+
+    (u, s_{t+1}) = \text{tx.update}(g, s_t, w), \qquad \text{output} = g
+
+  ``gsam``, ``sam`` and ``momentum_sam`` refuse a stage before them in an
+  ``optax.chain`` or ``optax.named_chain``, since they take the gradient again
+  at the perturbed weights and whatever such a stage did to it would be lost.
+  A stage that only reads the gradient (logging its norm, counting steps) is
+  safe there once wrapped: the wrapper discards ``tx``'s output, so nothing
+  can be lost, and the placement check lets it stand before the transform.
+  ``optax.identity()`` needs no wrapper.
+
+  Args:
+    tx: any ``optax.GradientTransformation``; extra args reach it where it
+      takes them.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` with ``tx``'s state, whose
+    output is its input ``updates``.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, optax_gsam
+    >>> def log_norm():
+    ...   def update_fn(updates, state, params=None):
+    ...     return updates, optax.tree.norm(updates)  # the state holds the last norm
+    ...   return optax.GradientTransformation(lambda p: jnp.zeros([]), update_fn)
+    >>> tx = optax.chain(
+    ...   optax_gsam.passthrough(log_norm()), optax_gsam.sam(0.05), optax.sgd(0.1)
+    ... )
+    >>> loss_fn = lambda w: jnp.sum(jnp.cos(w))
+    >>> w = jnp.ones(4)
+    >>> updates, state = tx.update(jax.grad(loss_fn)(w), tx.init(w), w, loss_fn=loss_fn)
+    >>> round(float(state[0]), 4)  # the norm of the clean gradient
+    1.6829
+  """
+  inner = optax.with_extra_args_support(tx)
+
+  def update_fn(updates, state, params=None, **extra_args):
+    _, state = inner.update(updates, state, params, **extra_args)
+    return updates, state
+
+  return optax.GradientTransformationExtraArgs(inner.init, update_fn)
+
+
+_PASSTHROUGH_CODE = passthrough(optax.identity()).update.__code__
+
+
+def _unwrapped(fn: Callable) -> Callable:
+  """The update function that ``optax.with_extra_args_support`` wraps, or ``fn`` itself."""
+  code = getattr(fn, "__code__", None)
+  if code is None or code.co_qualname != "with_extra_args_support.<locals>.update":
+    return fn
+  cells = dict(zip(code.co_freevars, fn.__closure__ or (), strict=False))
+  inner = cells["tx"].cell_contents if "tx" in cells else None
+  return getattr(inner, "update", fn)
+
+
+def _leaves_gradient_unchanged(fn: Callable) -> bool:
+  """``optax.identity()``'s update, or one of :func:`passthrough`: nothing before us is lost."""
+  code = getattr(_unwrapped(fn), "__code__", None)
+  if code is None:
+    return False
+  if code is _PASSTHROUGH_CODE:
+    return True
+  return code.co_qualname == "identity.<locals>.update_fn" and _OPTAX_DIR in code.co_filename
+
+
+def _earlier_stages(frame: Any) -> list[Callable] | None:
+  """The update functions an optax chain ran before the one it is calling; None if not a chain."""
+  code = frame.f_code
+  if _OPTAX_DIR not in code.co_filename:
+    return None
+  local = frame.f_locals
+  if code.co_qualname == "chain.<locals>.update_fn":
+    update_fns, current = local.get("update_fns"), local.get("fn")
+    if not isinstance(update_fns, (tuple, list)) or current is None:
+      return None
+    fns = list(update_fns)
+  elif code.co_qualname == "named_chain.<locals>.update_fn":
+    transforms, current = local.get("transforms"), local.get("tx")
+    if not isinstance(transforms, (tuple, list)) or current is None:
+      return None
+    fns, current = [t.update for _, t in transforms], current.update
+  else:
+    return None
+  index = next((i for i, fn in enumerate(fns) if fn is current), None)
+  return None if index is None else fns[:index]
 
 
 def _is_late_in_chain(frame: Any) -> bool:
-  """Whether ``frame`` is optax.chain's update calling a transform that is not its first."""
-  code = frame.f_code
-  if code.co_qualname != "chain.<locals>.update_fn" or _OPTAX_DIR not in code.co_filename:
-    return False
-  local = frame.f_locals
-  update_fns, current = local.get("update_fns"), local.get("fn")
-  if not isinstance(update_fns, (tuple, list)) or current is None or not update_fns:
-    return False
-  return current is not update_fns[0]
+  """Whether ``frame`` is an optax chain calling a transform after a stage that may change it."""
+  earlier = _earlier_stages(frame)
+  return earlier is not None and not all(_leaves_gradient_unchanged(fn) for fn in earlier)
+
+
+_UNKNOWN = object()
+
+
+def _accumulates(frame: Any) -> bool:
+  """Whether a frame of ``optax.MultiSteps`` may accumulate over more than one call.
+
+  ``every_k_schedule=1`` (a Python int) hands on each call's gradient as it is.
+  The frames of its nested functions that do not read ``k_steps`` are left to
+  ``update``'s own frame, which does.
+  """
+  k_steps = frame.f_locals.get("k_steps", _UNKNOWN)
+  if k_steps is _UNKNOWN:
+    return frame.f_code.co_name == "update"
+  one = isinstance(k_steps, numbers.Integral) and not isinstance(k_steps, bool) and k_steps == 1
+  return not one
 
 
 def check_placement(name: str) -> None:
   """Raises a ValueError where ``name``'s update runs inside optax.MultiSteps or late in a chain."""
   frame: types.FrameType | None = sys._getframe(1)
   while frame is not None:
-    if _is_multisteps(frame.f_locals.get("self")):
+    if isinstance(frame.f_locals.get("self"), optax.MultiSteps) and _accumulates(frame):
       raise ValueError(
         f"{name} runs inside optax.MultiSteps, which would give a silently wrong step: it "
         "passes the gradient accumulated over k calls, but the perturbed pass would evaluate "
@@ -76,13 +186,14 @@ def check_placement(name: str) -> None:
     frame = frame.f_back
 
 
-def check_not_masked(params: optax.Params) -> None:
+def check_not_masked(params: optax.Params, name: str = "gsam/sam") -> None:
   """``optax.masked`` around the transform hands it params with ``optax.MaskedNode`` holes."""
   is_hole = lambda x: isinstance(x, optax.MaskedNode)
   if any(is_hole(leaf) for leaf in jax.tree.leaves(params, is_leaf=is_hole)):
     raise ValueError(
-      "gsam/sam got params with optax.MaskedNode leaves: optax.masked around the transform "
+      f"{name} got params with optax.MaskedNode leaves: optax.masked around the transform "
       "would call loss_fn on params with holes. Perturb a subset of the parameters with the "
-      "transform's own mask instead, e.g. optax_gsam.sam(0.05, mask=mask), where every leaf's "
+      "transform's own mask instead, e.g. optax_gsam.sam(0.05, mask=mask) or "
+      "optax_gsam.momentum_sam(0.05, mask=mask), where every leaf's "
       "gradient is still taken at the perturbed point (docs/directions.md)."
     )

@@ -20,7 +20,8 @@ import optax
 from optax_gsam._src import perturbation as pert
 from optax_gsam._src import step
 from optax_gsam._src.arrays import numbers_as_arrays
-from optax_gsam._src.ascent import check_mask
+from optax_gsam._src.ascent_checks import check_ascent
+from optax_gsam._src.ascent_checks import check_direction
 from optax_gsam._src.microbatch import accumulated
 from optax_gsam._src.microbatch import microbatch_fns
 from optax_gsam._src.placement import check_not_masked
@@ -210,6 +211,7 @@ def _initial_state(settings: step.Settings, params: optax.Params) -> GSAMState:
   zero = lambda: jnp.zeros([], jnp.float32)
   zero_count = lambda: jnp.zeros([], jnp.int32)
   policy = settings.policy
+  check_direction(settings.ascent, settings.mask, params)  # descent or pass-through: refused
   return GSAMState(
     count=zero_count(),
     last_rho=zero(),
@@ -254,29 +256,13 @@ def _microbatch_settings(microbatches, perturb_each_microbatch, num_groups, sync
   return (microbatches, None) if perturb_each_microbatch else (None, microbatches)
 
 
-def _check_ascent(settings: step.Settings) -> None:
-  if settings.ascent is not None:
-    if settings.adaptive is not None:
-      raise ValueError(
-        "adaptive and ascent both choose the ascent direction: pass ascent="
-        f"optax_gsam.adaptive_ascent({settings.adaptive!r}) alone."
-      )
-    if not isinstance(settings.ascent, optax.GradientTransformation):
-      raise ValueError(
-        "ascent must be an optax.GradientTransformation mapping a gradient to a perturbation of "
-        f"radius 1 (e.g. optax_gsam.normalized_ascent()), got {settings.ascent!r}."
-      )
-  check_positive_int("ascent_steps", settings.ascent_steps)
-  check_mask(settings.mask)
-
-
 def _validated(settings: step.Settings) -> step.Settings:
   """Validates gsam's static arguments eagerly; every error names its argument."""
   check_non_negative("alpha", settings.alpha)
   check_positive("eps", settings.eps)
   if settings.adaptive not in pert.ADAPTIVE_CHOICES:
     raise ValueError(f"adaptive must be one of {pert.ADAPTIVE_CHOICES}, got {settings.adaptive!r}.")
-  _check_ascent(settings)
+  check_ascent(settings)
   for name, flag in (
     ("minimize_fp", settings.minimize_fp),
     ("sync_perturbation", settings.sync_perturbation),
@@ -436,8 +422,8 @@ def gsam(
 
   Both work with ``axis_name`` (they split each device's batch). See
   docs/large_batches.md. ``optax.MultiSteps`` around the transform is
-  refused: it would perturb along the accumulated gradient but evaluate only
-  the last micro-batch's ``loss_fn``.
+  refused (but for ``every_k_schedule=1``): it would perturb along the
+  accumulated gradient but evaluate only the last micro-batch's ``loss_fn``.
 
   **The ascent stage.** ``ascent`` is an ``optax.GradientTransformation``
   mapping a gradient to a perturbation of radius 1 (the default is
@@ -445,12 +431,14 @@ def gsam(
   :func:`optax_gsam.friendly_ascent` and :func:`optax_gsam.vasso_ascent`);
   its state is ``GSAMState.ascent_state``. ``ascent_steps=n`` takes n steps
   of length :math:`\rho_t / n`, each along the direction of the gradient at
-  the point reached. ``mask`` (a pytree of Python bools, or a function of the
-  params returning one, as ``optax.masked`` takes) restricts the
-  perturbation to the selected leaves; every leaf's gradient is still taken
-  at the perturbed point. The transform must be the first stage of its
-  ``optax.chain`` (a stage before it would be lost; this is refused), and
-  not inside ``optax.masked`` (use ``mask``). See docs/directions.md.
+  the point reached; a stateful direction advances once, from :math:`g_c`.
+  ``mask`` (a pytree of Python bools, or a function of the params returning
+  one, as ``optax.masked`` takes) restricts the perturbation to the selected
+  leaves; every leaf's gradient is still taken at the perturbed point. The
+  transform must be the first stage of its ``optax.chain`` (a stage before
+  it would be lost; this is refused, but for ``optax.identity()`` and
+  :func:`optax_gsam.passthrough` stages), and not inside ``optax.masked``
+  (use ``mask``). See docs/directions.md.
 
   **Cheap steps.** A ``policy`` (:class:`optax_gsam.SharpnessPolicy`) decides
   at each step between the full step above and a cheap one that needs only
@@ -495,7 +483,7 @@ def gsam(
 
   Under ``optax.inject_hyperparams(optax_gsam.gsam)``, rho, alpha, eps and
   reuse_weight become injectable; static options (``perturb_every``,
-  ``num_groups``) go in ``static_args``. Injected values take the params' dtype
+  ``num_groups``, a ``mask`` function) go in ``static_args``. Injected values take the params' dtype
   unless ``hyperparam_dtype`` is given, so with bfloat16 params pass
   ``hyperparam_dtype=jnp.float32``; a scheduled rho is then read at
   ``inject_hyperparams``' own count.

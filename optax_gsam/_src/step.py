@@ -264,21 +264,26 @@ def ascend(
     \epsilon_i = \epsilon_{i-1} + (\rho / n)\, a(g_{i-1}), \qquad
     g_i = \nabla f(w + \epsilon_i),
 
-  restricted to the leaves of the mask. Returns the value at the last point,
-  :math:`g_p = g_n` and the direction's new state.
+  restricted to the leaves of the mask. A stateful direction advances once per
+  step, from the clean gradient: :math:`a` is the direction at the state
+  :math:`s_t` of the step's start for every ascent step, and the new state is
+  the one the first call returns, :math:`s_{t+1} = \text{ascent.update}(g_c,
+  s_t)`. Returns the value at the last point, :math:`g_p = g_n` and that state.
   """
   mask = resolve_mask(settings.mask, params)
   step_size = rho / settings.ascent_steps
-  grads, epsilon, value = clean_grads, None, None
-  for _ in range(settings.ascent_steps):
-    unit, ascent_state = settings.direction.update(select_leaves(mask, grads), ascent_state, params)
+  grads, epsilon, value, next_state = clean_grads, None, None, ascent_state
+  for i in range(settings.ascent_steps):
+    # The later steps only apply the direction; their gradients must not enter its averages.
+    unit, state = settings.direction.update(select_leaves(mask, grads), ascent_state, params)
+    next_state = state if i == 0 else next_state
     move = select_leaves(mask, unit)
     epsilon = move if epsilon is None else jax.tree.map(jnp.add, epsilon, move)
     perturbed = jax.tree.map(lambda w, e: w + (e * step_size).astype(w.dtype), params, epsilon)
     value, grads = grad_fn(perturbed)
     if settings.synchronized:
       grads = pmean(grads, settings.axis_name)
-  return value, grads, ascent_state
+  return value, grads, next_state
 
 
 def full_step(
