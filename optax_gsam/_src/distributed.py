@@ -43,8 +43,8 @@ def _replica_axes(mesh: Mesh, axis_name: Any) -> tuple[Hashable, ...]:
   missing = [a for a in axes if a not in mesh.axis_names]
   if missing or not axes or len(set(axes)) != len(axes):
     raise ValueError(
-      f"axis_name={axis_name!r} must name one axis of the mesh {mesh.axis_names}, or a tuple of "
-      "distinct ones (the replica axes the perturbation is separate over)."
+      f"axis_name={axis_name!r} is not an axis of the mesh {mesh.axis_names}: name one of its "
+      "axes, or a tuple of distinct ones (the replica axes the perturbation is separate over)."
     )
   return axes
 
