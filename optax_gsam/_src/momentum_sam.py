@@ -20,6 +20,7 @@ from optax_gsam._src.ascent import resolve_mask
 from optax_gsam._src.ascent import select_leaves
 from optax_gsam._src.microbatch import accumulated
 from optax_gsam._src.microbatch import microbatch_fns
+from optax_gsam._src.placement import check_not_in_multisteps
 from optax_gsam._src.placement import check_placement
 from optax_gsam._src.schedules import value_at
 from optax_gsam._src.user_functions import check_extra_args
@@ -168,6 +169,7 @@ def momentum_sam(
     raise ValueError(f"check_axis must be a bool, got {check_axis!r}.")
 
   def init_fn(params: optax.Params) -> MomentumSAMState:
+    check_not_in_multisteps("momentum_sam")
     params = numbers_as_arrays(params)
     check_params_leaves(params)
     return MomentumSAMState(  # One buffer per field, so that the state can be donated.
