@@ -58,10 +58,10 @@ class MicrobatchInputs(NamedTuple):
 
 
 def check_inputs(
-  inputs: MicrobatchInputs, microbatches: int | None, clean_given: bool, per_microbatch: bool
+  inputs: MicrobatchInputs, k: int | None, updates: Any, params: Any, per_microbatch: bool
 ) -> None:
   """``batch``, ``key`` and ``model_state`` only where they are read, each error with its fix."""
-  if microbatches is None:
+  if k is None:
     if inputs.given:
       name = inputs.given[0]
       raise ValueError(
@@ -69,6 +69,13 @@ def check_inputs(
         f"over the {name.replace('_', ' ')} in loss_fn."
       )
     return
+  if updates is not None and not jax.tree.leaves(updates) and jax.tree.leaves(params):
+    raise ValueError(
+      "updates is empty while params are not: nnx.Optimizer.update(model, None, ...) turns "
+      "grads=None into an empty State. With Flax NNX, run the clean pass with "
+      "optax_gsam.accumulate_value_and_grad on the function of "
+      "optax_gsam.flax.nnx_microbatch_loss_fn and pass its grads (docs/large_batches.md)."
+    )
   if inputs.model_state is None:
     return
   if per_microbatch:
@@ -77,7 +84,7 @@ def check_inputs(
       "transform computes each micro-batch's clean pass itself and cannot return the new "
       "state. Use the whole-batch semantics, or close over the state in loss_fn."
     )
-  if not clean_given:
+  if updates is None:
     raise ValueError("update(None, ...) got model_state=. " + HELPER_FIX)
 
 

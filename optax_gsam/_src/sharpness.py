@@ -156,7 +156,7 @@ def _check_update(updates, state, params, perturb, extra_args, settings, check_a
       "jax.value_and_grad pass), or set microbatches=k so that the transform accumulates it "
       "over the micro-batches of batch=."
     )
-  micro.check_inputs(inputs, k, updates is not None, settings.num_groups is not None)
+  micro.check_inputs(inputs, k, updates, params, settings.num_groups is not None)
   check_update_inputs(params if updates is None else updates, params, state.stored_direction)
   if check_axis:
     check_data_axis_is_set(settings.axis_name)
