@@ -442,12 +442,13 @@ def nnx_microbatch_loss_fn(
       "model must be an NNX object (the nnx.Module the optimizer updates), got "
       f"{type(model).__name__}."
     )
-  graphdef, params, rest = nnx.split(model, wrt, ...)
+  graphdef, params, *others = nnx.split(model, wrt, ...)
 
   def stateful_loss_fn(params: Any, model_state: Any, microbatch: Any, *args: Any):
     copy = nnx.merge(graphdef, params, model_state)
     output = loss_fn(copy, microbatch, *args)
     loss = output[0] if isinstance(output, (tuple, list)) else output
-    return loss, nnx.as_pure(nnx.split(copy, wrt, ...)[2])
+    _, _, *new = nnx.split(copy, wrt, ...)
+    return loss, nnx.as_pure(new[0])
 
-  return stateful_loss_fn, params, nnx.as_pure(rest)
+  return stateful_loss_fn, params, nnx.as_pure(others[0])
