@@ -416,7 +416,10 @@ def gsam(
   ``batch`` along its leading axis into k equal micro-batches, evaluated one
   at a time in a ``lax.scan`` (one micro-batch's activations and one
   params-sized sum live). Without ``batch``, the function receives the
-  micro-batch index (an int32 scalar in ``[0, k)``). Two semantics:
+  micro-batch index (an int32 scalar in ``[0, k)``). ``key=`` appends micro-batch
+  i's key ``fold_in(key, i)`` (the same in both passes); ``model_state=`` carries
+  state through the micro-batches (see :func:`optax_gsam.accumulate_value_and_grad`,
+  which runs the clean pass and returns the new state). Two semantics:
 
   * whole batch (default): :math:`g_c` and :math:`g_p` are the means over the
     micro-batches, the weights are perturbed once along the whole batch's
