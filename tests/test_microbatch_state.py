@@ -325,3 +325,21 @@ def test_model_state_errors_name_the_fix():
     optax_gsam.accumulate_value_and_grad(
       lambda p, b: loss(p, None, b), params, batch, microbatches=K, model_state=state
     )
+
+
+def test_momentum_sam_gives_each_microbatch_its_own_key():
+  with jax.enable_x64(True):
+    rng = np.random.default_rng(8)
+    params = {"w": jnp.asarray(rng.normal(size=3))}
+    batch = (jnp.asarray(rng.normal(size=(16, 3))), jnp.asarray(rng.normal(size=16)))
+    key = jax.random.key(9)
+    tx = optax_gsam.momentum_sam(RHO, microbatches=K)
+    out, _ = tx.update(None, tx.init(params), params, loss_fn=dropout_loss, batch=batch, key=key)
+    # The first step has no momentum: the gradient at w, micro-batch i with fold_in(key, i).
+    grads = [
+      jax.grad(dropout_loss)(params, b, jax.random.fold_in(key, i))
+      for i, b in enumerate(split(batch))
+    ]
+    assert_trees_close(out, jax.tree.map(lambda *g: sum(g) / K, *grads), 1e-12)
+    with pytest.raises(ValueError, match="momentum_sam does not read model_state"):
+      tx.update(None, tx.init(params), params, loss_fn=dropout_loss, batch=batch, model_state={})

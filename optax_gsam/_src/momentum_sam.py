@@ -18,8 +18,9 @@ from optax_gsam._src.ascent import MaskOrFn
 from optax_gsam._src.ascent import check_mask
 from optax_gsam._src.ascent import resolve_mask
 from optax_gsam._src.ascent import select_leaves
-from optax_gsam._src.microbatch import accumulated
-from optax_gsam._src.microbatch import microbatch_fns
+from optax_gsam._src.microbatch_state import MicrobatchInputs
+from optax_gsam._src.microbatch_state import check_call_form
+from optax_gsam._src.microbatch_state import whole_batch_grad_fn
 from optax_gsam._src.placement import check_not_in_multisteps
 from optax_gsam._src.placement import check_placement
 from optax_gsam._src.schedules import value_at
@@ -59,13 +60,24 @@ class MomentumSAMState(NamedTuple):
   fallback_count: jax.Array
 
 
-def _whole_batch_grad_fn(loss_fn, value_and_grad_fn, microbatches, batch) -> Callable:
+def _whole_batch_grad_fn(loss_fn, value_and_grad_fn, microbatches, inputs, axis_name) -> Callable:
   """The user's function, accumulated over micro-batches where ``microbatches`` is set."""
   grad_fn = value_and_grad_from(loss_fn, value_and_grad_fn)
+  if inputs.model_state is not None:
+    raise ValueError(
+      "momentum_sam does not read model_state=: its one pass is at the perturbed weights, so "
+      "it has no clean pass whose state to keep. Close over the state in loss_fn."
+    )
   if microbatches is not None:
-    return accumulated(microbatch_fns(grad_fn, batch, microbatches), microbatches)
-  if batch is not None:
-    raise ValueError("update() got batch=, which momentum_sam reads only with microbatches=k.")
+    fn, name = (
+      (loss_fn, "loss_fn") if loss_fn is not None else (value_and_grad_fn, "value_and_grad_fn")
+    )
+    check_call_form(fn, name, inputs, microbatches)
+    return whole_batch_grad_fn(grad_fn, inputs, microbatches, axis_name)
+  if inputs.given:
+    raise ValueError(
+      f"update() got {inputs.given[0]}=, which momentum_sam reads only with microbatches=k."
+    )
   return grad_fn
 
 
@@ -134,7 +146,8 @@ def momentum_sam(
     microbatches: as in :func:`optax_gsam.gsam`: ``update(..., batch=batch)``
       with ``loss_fn(params, microbatch)`` evaluates the perturbed gradient of
       the whole batch as the mean over this many micro-batches, one live at a
-      time.
+      time; ``update(..., key=key)`` gives micro-batch i the key
+      ``jax.random.fold_in(key, i)`` as ``loss_fn``'s last argument.
     mask: as in :func:`optax_gsam.gsam`: only the selected leaves are moved,
       along :math:`m \odot v_t / \|m \odot v_t\|`; the gradient of every leaf
       is taken at the perturbed point, and :math:`v_t` keeps every leaf.
@@ -189,15 +202,18 @@ def momentum_sam(
     loss_fn: Callable | None = None,
     value_and_grad_fn: Callable | None = None,
     batch: Any = None,
+    key: jax.Array | None = None,
+    model_state: Any = None,
     **extra_args: Any,
   ) -> tuple[optax.Updates, MomentumSAMState]:
     check_placement("momentum_sam")
-    check_extra_args(extra_args, known=("loss_fn", "value_and_grad_fn", "batch"))
+    check_extra_args(extra_args, known=("loss_fn", "value_and_grad_fn", "batch", "key"))
     params = numbers_as_arrays(params)
     check_update_inputs(params if updates is None else updates, params, state.momentum)
     if check_axis:
       check_data_axis_is_set(axis_name)
-    grad_fn = _whole_batch_grad_fn(loss_fn, value_and_grad_fn, microbatches, batch)
+    inputs = MicrobatchInputs(batch, key, model_state)
+    grad_fn = _whole_batch_grad_fn(loss_fn, value_and_grad_fn, microbatches, inputs, axis_name)
     rho_t = value_at(rho, state.count)
     rho_ok = jnp.isfinite(rho_t) & (rho_t >= 0)  # else the clean gradient, counted
     safe_rho = jnp.where(rho_ok, rho_t, jnp.zeros_like(rho_t))
