@@ -81,6 +81,19 @@ def _whole_batch_grad_fn(loss_fn, value_and_grad_fn, microbatches, inputs, axis_
   return grad_fn
 
 
+def _microbatch_inputs(batch: Any, extra_args: dict[str, Any]) -> MicrobatchInputs:
+  """``batch=``, and ``key=`` and ``model_state=`` (read as gsam reads them) taken from extra_args."""
+  return MicrobatchInputs(batch, extra_args.pop("key", None), extra_args.pop("model_state", None))
+
+
+def _checked_params(params: optax.Params) -> optax.Params:
+  """``init``'s checks: not inside optax.MultiSteps, and params whose leaves are arrays."""
+  check_not_in_multisteps("momentum_sam")
+  params = numbers_as_arrays(params)
+  check_params_leaves(params)
+  return params
+
+
 def _next_state(state, grads, loss, rho_t, rho_ok, momentum) -> MomentumSAMState:
   """A non-finite gradient does not count and leaves the momentum as it was."""
   finite = step.all_finite(grads)
@@ -182,9 +195,7 @@ def momentum_sam(
     raise ValueError(f"check_axis must be a bool, got {check_axis!r}.")
 
   def init_fn(params: optax.Params) -> MomentumSAMState:
-    check_not_in_multisteps("momentum_sam")
-    params = numbers_as_arrays(params)
-    check_params_leaves(params)
+    params = _checked_params(params)
     return MomentumSAMState(  # One buffer per field, so that the state can be donated.
       count=jnp.zeros([], jnp.int32),
       last_rho=jnp.zeros([], jnp.float32),
@@ -202,17 +213,15 @@ def momentum_sam(
     loss_fn: Callable | None = None,
     value_and_grad_fn: Callable | None = None,
     batch: Any = None,
-    key: jax.Array | None = None,
-    model_state: Any = None,
     **extra_args: Any,
   ) -> tuple[optax.Updates, MomentumSAMState]:
     check_placement("momentum_sam")
+    inputs = _microbatch_inputs(batch, extra_args)
     check_extra_args(extra_args, known=("loss_fn", "value_and_grad_fn", "batch", "key"))
     params = numbers_as_arrays(params)
     check_update_inputs(params if updates is None else updates, params, state.momentum)
     if check_axis:
       check_data_axis_is_set(axis_name)
-    inputs = MicrobatchInputs(batch, key, model_state)
     grad_fn = _whole_batch_grad_fn(loss_fn, value_and_grad_fn, microbatches, inputs, axis_name)
     rho_t = value_at(rho, state.count)
     rho_ok = jnp.isfinite(rho_t) & (rho_t >= 0)  # else the clean gradient, counted
