@@ -88,7 +88,7 @@ def check_inputs(
     raise ValueError("update(None, ...) got model_state=. " + HELPER_FIX)
 
 
-def describe_call(inputs: MicrobatchInputs, num_microbatches: int) -> str:
+def describe_call(inputs: MicrobatchInputs) -> str:
   """How the user's function is called, e.g. ``loss_fn(params, model_state, microbatch, key)``."""
   parts = ["params"]
   if inputs.model_state is not None:
@@ -107,7 +107,7 @@ def check_call_form(fn: Callable | None, name: str, inputs: MicrobatchInputs, k:
     signature = inspect.signature(fn)
   except (TypeError, ValueError):  # A builtin or an opaque callable: let the call decide.
     return
-  call = describe_call(inputs, k)
+  call = describe_call(inputs)
   count = call.count(",") + 1
   try:
     signature.bind(*range(count))
@@ -115,9 +115,9 @@ def check_call_form(fn: Callable | None, name: str, inputs: MicrobatchInputs, k:
     index_form = ""
     if inputs.batch is None:
       index_form = (
-        f" Without batch=, the second argument is the micro-batch index (an int32 scalar in "
-        f"[0, {k})), from which {name} selects its micro-batch itself; or pass batch= and take "
-        "the micro-batch."
+        f" Without batch=, {name} receives the micro-batch index (an int32 scalar in "
+        f"[0, {k})) in place of the micro-batch and selects its data itself; or pass batch= and "
+        "take the micro-batch."
       )
     extras = ""
     if inputs.model_state is not None:
