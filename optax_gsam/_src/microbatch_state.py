@@ -35,6 +35,7 @@ from optax_gsam._src.user_functions import ValueAndGradFn
 from optax_gsam._src.user_functions import ValueAndGradWithArgsFn
 from optax_gsam._src.user_functions import scalar_loss
 from optax_gsam._src.user_functions import value_and_grad_from
+from optax_gsam._src.validation import check_positive_int
 
 HELPER_FIX = (
   "update() cannot return a new model_state (optax's update returns only the updates and "
@@ -302,8 +303,7 @@ def accumulate_value_and_grad(
     >>> int(count)
     4
   """
-  if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
-    raise ValueError(f"microbatches must be a positive int, got {microbatches!r}.")
+  check_positive_int("microbatches", microbatches)
   inputs = MicrobatchInputs(batch, key, model_state)
   check_call_form(loss_fn, "loss_fn", inputs, microbatches)
   grad_fn = value_and_grad_from(loss_fn, None)
