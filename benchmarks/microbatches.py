@@ -14,6 +14,12 @@ once, whatever its trip count, so FLOPs of the scanned steps are not comparable 
 
     python benchmarks/microbatches.py            # global batch 2048, K in 1 2 4 8 16, 15 rounds
     python benchmarks/microbatches.py --quick    # global batch 512, K in 2 4, 3 rounds
+    python benchmarks/microbatches.py --memory   # compiled temp memory only (no timing)
+
+``--memory`` compares compiled ``temp_size_in_bytes`` at the same micro-batch size: the
+micro-batched GSAM step against AdamW with its gradient accumulated in a ``lax.scan``, and the
+clean pass alone as :func:`optax_gsam.accumulate_value_and_grad` (a ``lax.scan``) against
+``optax.microbatching.microbatch`` (a ``fori_loop`` over a reshaped batch) with a MEAN accumulator.
 
 Writes ``results/microbatches[_quick].json``; targets and results in benchmarks/README.md.
 """
@@ -79,6 +85,75 @@ def make_step(name: str):
   return tx, step
 
 
+def scanned_adamw_step(num_microbatches: int):
+  """AdamW with the gradient accumulated over ``num_microbatches`` in a ``lax.scan``."""
+  tx = optax.adamw(LR)
+
+  def step(params, opt_state, batch):
+    pieces = jax.tree.map(lambda a: a.reshape(num_microbatches, -1, *a.shape[1:]), batch)
+
+    def body(total, piece):
+      grads = jax.grad(loss_fn)(params, piece)
+      return jax.tree.map(jnp.add, total, grads), None
+
+    total, _ = jax.lax.scan(body, jax.tree.map(jnp.zeros_like, params), pieces)
+    grads = jax.tree.map(lambda g: g / num_microbatches, total)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  return tx, step
+
+
+def clean_pass(kind: str, num_microbatches: int, batch_size: int):
+  """The clean pass alone: ``params, batch -> (loss, grads)``, ours or optax.microbatching's."""
+  if kind == "ours":
+    return lambda params, batch: optax_gsam.accumulate_value_and_grad(
+      loss_fn, params, batch, microbatches=num_microbatches
+    )
+  return optax.microbatching.microbatch(
+    jax.value_and_grad(loss_fn),
+    argnums=1,
+    microbatch_size=batch_size // num_microbatches,
+    accumulator=optax.microbatching.AccumulationType.MEAN,
+  )
+
+
+def temp_bytes(fn, *args) -> int:
+  return jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes
+
+
+def measure_memory(batch_size: int, counts: list[int]) -> dict:
+  """Compiled temp MiB per contender and number of micro-batches."""
+  params, batch = make_problem(batch_size)
+  rows: dict[str, dict[str, float]] = {}
+  for k in counts:
+    gsam_tx, gsam_step = make_step(f"k={k}")
+    adamw_tx, adamw_step = scanned_adamw_step(k)
+    rows[f"k={k}"] = {
+      "gsam_MiB": temp_bytes(gsam_step, params, gsam_tx.init(params), batch) / 2**20,
+      "adamw_scan_MiB": temp_bytes(adamw_step, params, adamw_tx.init(params), batch) / 2**20,
+      "clean_scan_MiB": temp_bytes(clean_pass("ours", k, batch_size), params, batch) / 2**20,
+      "clean_optax_MiB": temp_bytes(clean_pass("optax", k, batch_size), params, batch) / 2**20,
+    }
+  return rows
+
+
+def memory_table(rows: dict) -> str:
+  cells = [("k", "GSAM", "AdamW scan", "GSAM / AdamW", "clean: scan", "clean: optax.microbatch")]
+  for name, row in rows.items():
+    cells.append(
+      (
+        name,
+        f"{row['gsam_MiB']:.2f}",
+        f"{row['adamw_scan_MiB']:.2f}",
+        f"{row['gsam_MiB'] / row['adamw_scan_MiB']:.2f}",
+        f"{row['clean_scan_MiB']:.2f}",
+        f"{row['clean_optax_MiB']:.2f}",
+      )
+    )
+  return harness.render_table(cells)
+
+
 def compile_contender(name: str, params, batch) -> tuple[harness.Timed, dict]:
   tx, step = make_step(name)
   opt_state = tx.init(params)
@@ -128,8 +203,17 @@ def main(argv: list[str] | None = None) -> dict:
   parser = harness.parser(__doc__)
   parser.add_argument("--batch", type=int, default=None)
   parser.add_argument("--rounds", type=int, default=None)
+  parser.add_argument("--memory", action="store_true", help="compiled temp memory only")
   args = parser.parse_args(argv)
   batch_size = args.batch or (512 if args.quick else 2048)
+  if args.memory:
+    counts = [2, 4] if args.quick else [2, 4, 8]
+    rows = measure_memory(batch_size, counts)
+    print(f"compiled temp MiB, global batch {batch_size}, MLP {FEATURES}-{WIDTH}-{WIDTH}-10")
+    print(memory_table(rows))
+    mode = "quick" if args.quick else "full"
+    result = {"batch": batch_size, "counts": counts, "rows": rows}
+    return harness.save("microbatches", mode, result, args.out_dir, argv, suffix="_memory")
   counts = [2, 4] if args.quick else [2, 4, 8, 16]
   rounds = args.rounds or (3 if args.quick else 15)
   rows = measure(batch_size, counts, rounds, steps=2 if args.quick else 5)

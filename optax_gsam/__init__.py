@@ -23,6 +23,7 @@ from optax_gsam._src.hessian import hessian_eigenvalues
 from optax_gsam._src.hessian import hessian_spectral_density
 from optax_gsam._src.hessian import hessian_trace
 from optax_gsam._src.hessian import hessian_vector_product
+from optax_gsam._src.microbatch_state import accumulate_value_and_grad
 from optax_gsam._src.momentum_sam import MomentumSAMState
 from optax_gsam._src.momentum_sam import momentum_sam
 from optax_gsam._src.perturbation import GradientStats
@@ -61,6 +62,7 @@ __all__ = (
   "SpectralDensity",
   "TraceEstimate",
   "VassoState",
+  "accumulate_value_and_grad",
   "adaptive_ascent",
   "cached_value_and_grad",
   "clip_loss",

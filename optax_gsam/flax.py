@@ -44,7 +44,7 @@ from flax.training import train_state
 from optax_gsam._src.user_functions import UPDATE_KEYWORDS
 from optax_gsam._src.user_functions import MissingLossFunctionError
 
-__all__ = ("TrainState", "nnx_loss_fn")
+__all__ = ("TrainState", "nnx_loss_fn", "nnx_microbatch_loss_fn")
 
 # How close (difflib ratio) a keyword must be to a known name to be suggested in the error:
 # `batch_stat`/`batch_stats` is 0.95, `valu`/`value` 0.89, `stats`/`batch_stats` 0.62.
@@ -375,3 +375,80 @@ def nnx_loss_fn(
     return output
 
   return perturbed_loss_fn
+
+
+def nnx_microbatch_loss_fn(
+  loss_fn: Callable[..., Any], model: nnx.Module, /, *, wrt: Any = nnx.Param
+) -> tuple[Callable[..., tuple[Any, Any]], Any, Any]:
+  """An NNX loss ``loss_fn(model, microbatch, ...)`` as a stateful loss of micro-batches.
+
+  Splits ``model`` into its ``wrt`` parameters :math:`w` and the rest of its
+  state :math:`s` (BatchNorm statistics, RNG keys and counters), and returns
+  ``f(params, model_state, microbatch, *args) -> (loss, new_model_state)``,
+  which rebuilds a copy of the model from both (``nnx.merge``), calls
+  ``loss_fn(copy, microbatch, *args)`` and returns the copy's state after the
+  call. With it, :func:`optax_gsam.accumulate_value_and_grad` runs the clean
+  pass, the state passing through the micro-batches as through k small steps
+  (each micro-batch draws the next dropout masks and is normalized with its own
+  statistics), and the transform's perturbed pass starts again from :math:`s`,
+  so micro-batch i draws the same masks in both passes. ``params`` keep their
+  ``nnx.Param`` types, so the gradients are what ``nnx.Optimizer.update``
+  takes::
+
+    f, params, model_state = nnx_microbatch_loss_fn(loss_fn, model)
+    (loss, new_state), grads = optax_gsam.accumulate_value_and_grad(
+      f, params, batch, microbatches=k, model_state=model_state)
+    optimizer.update(model, grads, loss_fn=f, batch=batch, model_state=model_state, value=loss)
+    nnx.update(model, new_state)
+
+  Args:
+    loss_fn: ``loss_fn(model, microbatch, *args)``, returning a scalar loss or
+      ``(loss, aux)`` (aux dropped).
+    model: the ``nnx.Module`` whose parameters the optimizer updates.
+    wrt: the filter of the parameters, the ``wrt`` of the ``nnx.Optimizer``.
+
+  Returns:
+    ``(f, params, model_state)``: the stateful loss, the ``wrt`` state of
+    ``model`` and the pure arrays of the rest of its state.
+
+  Raises:
+    TypeError: when ``loss_fn`` is not callable or ``model`` is not an NNX object.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, optax_gsam
+    >>> from flax import nnx
+    >>> from optax_gsam.flax import nnx_microbatch_loss_fn
+    >>> model = nnx.Linear(3, 1, rngs=nnx.Rngs(0))
+    >>> tx = optax.chain(optax_gsam.sam(0.05, microbatches=2), optax.sgd(0.1))
+    >>> optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    >>> def loss_fn(model, microbatch):
+    ...   return jnp.mean(model(microbatch) ** 2)
+    >>> @nnx.jit
+    ... def train_step(model, optimizer, batch):
+    ...   f, params, model_state = nnx_microbatch_loss_fn(loss_fn, model)
+    ...   (loss, new_state), grads = optax_gsam.accumulate_value_and_grad(
+    ...     f, params, batch, microbatches=2, model_state=model_state)
+    ...   optimizer.update(model, grads, loss_fn=f, batch=batch, model_state=model_state)
+    ...   nnx.update(model, new_state)
+    ...   return loss
+    >>> loss = train_step(model, optimizer, jnp.ones((4, 3)))
+    >>> int(optimizer.step[...])
+    1
+  """
+  if not callable(loss_fn):
+    raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}.")
+  if not isinstance(model, nnx.Pytree):
+    raise TypeError(
+      "model must be an NNX object (the nnx.Module the optimizer updates), got "
+      f"{type(model).__name__}."
+    )
+  graphdef, params, *others = nnx.split(model, wrt, ...)
+
+  def stateful_loss_fn(params: Any, model_state: Any, microbatch: Any, *args: Any):
+    copy = nnx.merge(graphdef, params, model_state)
+    output = loss_fn(copy, microbatch, *args)
+    loss = output[0] if isinstance(output, (tuple, list)) else output
+    _, _, *new = nnx.split(copy, wrt, ...)
+    return loss, nnx.as_pure(new[0])
+
+  return stateful_loss_fn, params, nnx.as_pure(others[0])

@@ -265,3 +265,10 @@ def test_microbatches_smoke(tmp_path):
   assert set(rows) == {"base", "whole", "k=2", "k=4", "k=2 each", "k=4 each"}
   assert all(row["ms"] > 0 and row["temp_MiB"] > 0 for row in rows.values())
   assert (tmp_path / "microbatches_quick.json").is_file()
+
+
+def test_microbatches_memory_smoke(tmp_path):
+  result = microbatches.main(["--memory", "--quick", "--batch", "64", "--out-dir", str(tmp_path)])
+  assert set(result["rows"]) == {"k=2", "k=4"}
+  assert all(value > 0 for row in result["rows"].values() for value in row.values())
+  assert (tmp_path / "microbatches_quick_memory.json").is_file()

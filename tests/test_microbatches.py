@@ -162,13 +162,22 @@ def test_multisteps_around_sam_is_refused_with_the_microbatch_api():
   """optax.MultiSteps would perturb with the accumulated gradient and evaluate the last loss_fn."""
   params, x, t = jax.tree.map(lambda a: np.asarray(a, np.float32), make_data(16))
   tx = optax.MultiSteps(optax.chain(optax_gsam.sam(0.05), optax.sgd(0.1)), every_k_schedule=4)
-  state = tx.init(params)
   loss_fn = lambda p: loss_jax(p, jnp.asarray(x[:8]), jnp.asarray(t[:8]))
   with pytest.raises(ValueError, match=r"optax.MultiSteps.*microbatches=k"):
-    tx.update(jax.grad(loss_fn)(params), state, params, loss_fn=loss_fn)
+    tx.update(jax.grad(loss_fn)(params), tx.init(params), params, loss_fn=loss_fn)
   momentum = optax.MultiSteps(optax_gsam.momentum_sam(0.05), every_k_schedule=2)
   with pytest.raises(ValueError, match=r"optax\.MultiSteps"):
     momentum.update(params, momentum.init(params), params, loss_fn=loss_fn)
+
+
+def test_multisteps_called_as_the_microbatch_docs_call_it_names_microbatches():
+  """update(None, ...) used to fail inside MultiSteps with optax's pytree-structure error."""
+  params, x, t = make_data(16)
+  batch = (jnp.asarray(x), jnp.asarray(t))
+  inner = optax.chain(optax_gsam.sam(0.05, microbatches=K), optax.sgd(0.1))
+  tx = optax.MultiSteps(inner, every_k_schedule=2)
+  with pytest.raises(ValueError, match=r"optax.MultiSteps.*microbatches=k"):
+    tx.update(None, tx.init(params), params, loss_fn=batch_loss, batch=batch)
 
 
 @pytest.mark.parametrize(
@@ -186,6 +195,40 @@ def test_a_batch_the_microbatches_do_not_divide_is_named(call, match):
   tx = optax_gsam.gsam(RHO, microbatches=K)
   with pytest.raises(ValueError, match=match):
     call(tx, tx.init(params), params, (jnp.asarray(x), jnp.asarray(t)))
+
+
+@pytest.mark.parametrize("extra", [(4,), (1, 3)], ids=["constant-of-length-k", "other-size"])
+def test_a_batch_leaf_with_another_leading_size_is_refused(extra):
+  """A per-batch constant (class weights) in batch used to be cut into k pieces silently."""
+  params, x, t = make_data(17)
+  batch = {"x": jnp.asarray(x), "t": jnp.asarray(t), "class_weights": jnp.ones(extra)}
+  tx = optax_gsam.gsam(RHO, microbatches=K)
+  with pytest.raises(ValueError, match=r"batch\['class_weights'\].*leading size.*Close over"):
+    tx.update(
+      None,
+      tx.init(params),
+      params,
+      loss_fn=lambda p, b: batch_loss(p, (b["x"], b["t"])),
+      batch=batch,
+    )
+
+
+def test_an_index_form_loss_of_one_argument_names_the_index():
+  """microbatches=k without batch= calls loss_fn(params, index); a one-argument loss used to
+  give Python's 'takes 1 positional argument' TypeError."""
+  params, x, t = make_data(17)
+  tx = optax_gsam.gsam(RHO, microbatches=K)
+  loss_fn = lambda p: batch_loss(p, (jnp.asarray(x), jnp.asarray(t)))
+  with pytest.raises(ValueError, match=r"loss_fn\(params, index\).*micro-batch index.*batch="):
+    tx.update(None, tx.init(params), params, loss_fn=loss_fn)
+
+
+def test_microbatches_larger_than_a_device_shard_say_it_is_per_device():
+  params, x, t = make_data(17)  # 32 rows: 4 per device, which 8 micro-batches do not divide
+  mesh = jax.make_mesh((NUM_DEVICES,), ("data",))
+  tx = gsam_chain(microbatches=8, axis_name="data")
+  with pytest.raises(ValueError, match=r"one device's shard.*multiple of 8 times the number"):
+    run(params, x, t, tx, num_steps=1, sharded_on=mesh)
 
 
 def test_updates_none_or_batch_without_microbatches_is_refused():

@@ -7,6 +7,7 @@ least), so the compiled step's temporary memory does not grow with their number.
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable
 from typing import Any
 
@@ -23,28 +24,59 @@ from optax_gsam._src.user_functions import scalar_loss
 MicrobatchFn = Callable[[jax.Array], ValueAndGradFn]
 
 
-def check_batch(batch: Any, num_microbatches: int) -> None:
-  """Every leaf of ``batch`` is an array whose leading axis the micro-batches divide."""
-  leaves = jax.tree.leaves(batch)
+def check_batch(batch: Any, num_microbatches: int, axis_name: Any = None) -> None:
+  """Every leaf of ``batch`` is an array with one leading size that the micro-batches divide.
+
+  ``axis_name`` is the transform's: with it set, ``batch`` is one device's shard,
+  and the error says so.
+  """
+  leaves = jax.tree_util.tree_flatten_with_path(batch)[0]
   if not leaves:
     raise ValueError("batch has no arrays to split into micro-batches.")
-  for path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
-    shape = jnp.shape(leaf)
-    if not shape or shape[0] % num_microbatches:
+  for path, leaf in leaves:
+    if not jnp.shape(leaf):
       raise ValueError(
-        f"batch{jax.tree_util.keystr(path)} has shape {shape}: with microbatches="
-        f"{num_microbatches}, every leaf of batch needs a leading (example) axis divisible by "
-        f"{num_microbatches}. Pad or drop the remainder, or choose a divisor of the batch size."
+        f"batch{jax.tree_util.keystr(path)} is a scalar: with microbatches={num_microbatches}, "
+        "every leaf of batch is split along its leading (example) axis. Close over per-batch "
+        "constants in loss_fn instead of passing them in batch."
       )
+  # The examples' size is the most common leading size; a leaf of another is named.
+  size = collections.Counter(jnp.shape(leaf)[0] for _, leaf in leaves).most_common(1)[0][0]
+  first_path, first = next((p, x) for p, x in leaves if jnp.shape(x)[0] == size)
+  for path, leaf in leaves:
+    if jnp.shape(leaf)[0] != size:
+      raise ValueError(
+        f"batch{jax.tree_util.keystr(path)} has shape {jnp.shape(leaf)}, whose leading size "
+        f"differs from batch{jax.tree_util.keystr(first_path)}'s {size}: with microbatches="
+        f"{num_microbatches}, every leaf of batch is cut into {num_microbatches} pieces along "
+        "its leading (example) axis, so a per-batch constant (class weights, a mask over "
+        "classes) would be cut too. Close over such constants in loss_fn instead of passing "
+        "them in batch."
+      )
+  if size % num_microbatches:
+    where = ""
+    if axis_name is not None:
+      where = (
+        f" This is one device's shard of the batch (axis_name={axis_name!r}): the global batch "
+        "is divided over the devices first, then each device's shard into micro-batches, so "
+        f"the global batch size must be a multiple of {num_microbatches} times the number of "
+        "devices (or use fewer micro-batches)."
+      )
+    raise ValueError(
+      f"batch{jax.tree_util.keystr(first_path)} has shape {jnp.shape(first)}: with microbatches="
+      f"{num_microbatches}, every leaf of batch needs a leading (example) axis divisible by "
+      f"{num_microbatches}. Pad or drop the remainder, or choose a divisor of the batch size."
+      + where
+    )
 
 
 def microbatch_fns(
-  grad_fn: ValueAndGradWithArgsFn, batch: Any, num_microbatches: int
+  grad_fn: ValueAndGradWithArgsFn, batch: Any, num_microbatches: int, axis_name: Any = None
 ) -> MicrobatchFn:
   """``index -> (params -> grad_fn(params, microbatch))``; without a batch, the index itself."""
   if batch is None:  # The user's function takes the micro-batch (group) index.
     return lambda index: lambda params: grad_fn(params, index)
-  check_batch(batch, num_microbatches)
+  check_batch(batch, num_microbatches, axis_name)
 
   def slice_of(index):
     def take(x):

@@ -19,8 +19,10 @@ from optax_gsam._src.ascent import MaskOrFn
 from optax_gsam._src.ascent import check_mask
 from optax_gsam._src.ascent import resolve_mask
 from optax_gsam._src.ascent import select_leaves
-from optax_gsam._src.microbatch import accumulated
-from optax_gsam._src.microbatch import microbatch_fns
+from optax_gsam._src.microbatch_state import MicrobatchInputs
+from optax_gsam._src.microbatch_state import check_call_form
+from optax_gsam._src.microbatch_state import whole_batch_grad_fn
+from optax_gsam._src.placement import check_not_in_multisteps
 from optax_gsam._src.placement import check_not_masked
 from optax_gsam._src.placement import check_placement
 from optax_gsam._src.schedules import value_at
@@ -60,14 +62,38 @@ class MomentumSAMState(NamedTuple):
   fallback_count: jax.Array
 
 
-def _whole_batch_grad_fn(loss_fn, value_and_grad_fn, microbatches, batch) -> Callable:
+def _whole_batch_grad_fn(loss_fn, value_and_grad_fn, microbatches, inputs, axis_name) -> Callable:
   """The user's function, accumulated over micro-batches where ``microbatches`` is set."""
   grad_fn = value_and_grad_from(loss_fn, value_and_grad_fn)
+  if inputs.model_state is not None:
+    raise ValueError(
+      "momentum_sam does not read model_state=: its one pass is at the perturbed weights, so "
+      "it has no clean pass whose state to keep. Close over the state in loss_fn."
+    )
   if microbatches is not None:
-    return accumulated(microbatch_fns(grad_fn, batch, microbatches), microbatches)
-  if batch is not None:
-    raise ValueError("update() got batch=, which momentum_sam reads only with microbatches=k.")
+    fn, name = (
+      (loss_fn, "loss_fn") if loss_fn is not None else (value_and_grad_fn, "value_and_grad_fn")
+    )
+    check_call_form(fn, name, inputs, microbatches)
+    return whole_batch_grad_fn(grad_fn, inputs, microbatches, axis_name)
+  if inputs.given:
+    raise ValueError(
+      f"update() got {inputs.given[0]}=, which momentum_sam reads only with microbatches=k."
+    )
   return grad_fn
+
+
+def _microbatch_inputs(batch: Any, extra_args: dict[str, Any]) -> MicrobatchInputs:
+  """``batch=``, and ``key=`` and ``model_state=`` (read as gsam reads them) taken from extra_args."""
+  return MicrobatchInputs(batch, extra_args.pop("key", None), extra_args.pop("model_state", None))
+
+
+def _checked_params(params: optax.Params) -> optax.Params:
+  """``init``'s checks: not inside optax.MultiSteps, and params whose leaves are arrays."""
+  check_not_in_multisteps("momentum_sam")
+  params = numbers_as_arrays(params)
+  check_params_leaves(params)
+  return params
 
 
 def _next_state(state, grads, loss, rho_t, rho_ok, momentum) -> MomentumSAMState:
@@ -137,7 +163,8 @@ def momentum_sam(
     microbatches: as in :func:`optax_gsam.gsam`: ``update(..., batch=batch)``
       with ``loss_fn(params, microbatch)`` evaluates the perturbed gradient of
       the whole batch as the mean over this many micro-batches, one live at a
-      time.
+      time; ``update(..., key=key)`` gives micro-batch i the key
+      ``jax.random.fold_in(key, i)`` as ``loss_fn``'s last argument.
     mask: as in :func:`optax_gsam.gsam`: only the selected leaves are moved,
       along :math:`m \odot v_t / \|m \odot v_t\|`; the gradient of every leaf
       is taken at the perturbed point, and :math:`v_t` keeps every leaf.
@@ -172,8 +199,7 @@ def momentum_sam(
     raise ValueError(f"check_axis must be a bool, got {check_axis!r}.")
 
   def init_fn(params: optax.Params) -> MomentumSAMState:
-    params = numbers_as_arrays(params)
-    check_params_leaves(params)
+    params = _checked_params(params)
     return MomentumSAMState(  # One buffer per field, so that the state can be donated.
       count=jnp.zeros([], jnp.int32),
       last_rho=jnp.zeros([], jnp.float32),
@@ -194,13 +220,14 @@ def momentum_sam(
     **extra_args: Any,
   ) -> tuple[optax.Updates, MomentumSAMState]:
     check_placement("momentum_sam")
-    check_extra_args(extra_args, known=("loss_fn", "value_and_grad_fn", "batch"))
+    inputs = _microbatch_inputs(batch, extra_args)
+    check_extra_args(extra_args, known=("loss_fn", "value_and_grad_fn", "batch", "key"))
     params = numbers_as_arrays(params)
     check_not_masked(params, "momentum_sam")
     check_update_inputs(params if updates is None else updates, params, state.momentum)
     if check_axis:
       check_data_axis_is_set(axis_name)
-    grad_fn = _whole_batch_grad_fn(loss_fn, value_and_grad_fn, microbatches, batch)
+    grad_fn = _whole_batch_grad_fn(loss_fn, value_and_grad_fn, microbatches, inputs, axis_name)
     rho_t = value_at(rho, state.count)
     rho_ok = jnp.isfinite(rho_t) & (rho_t >= 0)  # else the clean gradient, counted
     safe_rho = jnp.where(rho_ok, rho_t, jnp.zeros_like(rho_t))

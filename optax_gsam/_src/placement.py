@@ -171,6 +171,24 @@ def _accumulates(frame: Any) -> bool:
   return not one
 
 
+def check_not_in_multisteps(name: str) -> None:
+  """Raises a ValueError where ``name``'s init runs inside ``optax.MultiSteps``.
+
+  Its ``update`` would be refused anyway; at ``init`` the refusal comes before
+  ``MultiSteps.update`` can fail on its own (on ``update(None, ...)``, the
+  micro-batched call, with a pytree-structure error that does not name the fix).
+  """
+  frame: types.FrameType | None = sys._getframe(1)
+  while frame is not None:
+    if isinstance(frame.f_locals.get("self"), optax.MultiSteps) and _accumulates(frame):
+      raise ValueError(
+        f"{name} inside optax.MultiSteps would give a silently wrong step: MultiSteps passes "
+        "the gradient accumulated over k calls, but the perturbed pass would evaluate only the "
+        "last call's loss_fn (and run on every call). " + MICROBATCH_FIX
+      )
+    frame = frame.f_back
+
+
 def check_placement(name: str) -> None:
   """Raises a ValueError where ``name``'s update runs inside optax.MultiSteps or late in a chain."""
   frame: types.FrameType | None = sys._getframe(1)

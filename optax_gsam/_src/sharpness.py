@@ -17,13 +17,13 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from optax_gsam._src import microbatch_state as micro
 from optax_gsam._src import perturbation as pert
 from optax_gsam._src import step
 from optax_gsam._src.arrays import numbers_as_arrays
 from optax_gsam._src.ascent_checks import check_ascent
 from optax_gsam._src.ascent_checks import check_direction
-from optax_gsam._src.microbatch import accumulated
-from optax_gsam._src.microbatch import microbatch_fns
+from optax_gsam._src.placement import check_not_in_multisteps
 from optax_gsam._src.placement import check_not_masked
 from optax_gsam._src.placement import check_placement
 from optax_gsam._src.policies import SharpnessPolicy
@@ -31,7 +31,6 @@ from optax_gsam._src.policies import keep_unless_counted
 from optax_gsam._src.policies import policy_from_arguments
 from optax_gsam._src.user_functions import check_extra_args
 from optax_gsam._src.user_functions import scalar_loss
-from optax_gsam._src.user_functions import value_and_grad_from
 from optax_gsam._src.validation import check_axis_name
 from optax_gsam._src.validation import check_data_axis_is_set
 from optax_gsam._src.validation import check_non_negative
@@ -146,44 +145,38 @@ def _next_state(
   )
 
 
-def _check_update(updates, state, params, perturb, extra_args, settings, check_axis, batch):
+def _check_update(updates, state, params, perturb, extra_args, settings, check_axis, inputs):
   """Everything ``update`` can refuse before tracing anything, each with the fix."""
   check_extra_args(extra_args)
   _check_perturb(perturb, settings.policy)
   check_not_masked(params)
-  microbatched = settings.num_groups is not None or settings.microbatches is not None
-  if updates is None and not microbatched:
+  k = settings.num_groups if settings.num_groups is not None else settings.microbatches
+  if updates is None and k is None:
     raise ValueError(
       "updates is None: pass the clean gradient of loss_fn at params (the usual "
       "jax.value_and_grad pass), or set microbatches=k so that the transform accumulates it "
       "over the micro-batches of batch=."
     )
-  if batch is not None and not microbatched:
-    raise ValueError(
-      "update() got batch=, which gsam/sam read only with microbatches=k: set it, or close over "
-      "the batch in loss_fn."
-    )
+  micro.check_inputs(inputs, k, updates, params, settings.num_groups is not None)
   check_update_inputs(params if updates is None else updates, params, state.stored_direction)
   if check_axis:
     check_data_axis_is_set(settings.axis_name)
 
 
-def _run_stages(context, updates, params, grad_fn, clean_loss, perturb, batch):
+def _run_stages(context, updates, params, grad_fn, clean_loss, perturb, inputs):
   """Stages 2 to 5 for the step's layout: whole batch, accumulated micro-batches, or one
   perturbation per micro-batch. Also returns how many whole-batch gradients a full and a
   cheap step evaluate."""
   settings = context.settings
   ascent_steps = settings.ascent_steps
   if settings.num_groups is not None:  # One perturbation per micro-batch.
-    fns = microbatch_fns(grad_fn, batch, settings.num_groups)
+    fns = micro.group_fns(grad_fn, inputs, settings.num_groups, settings.axis_name)
     like = params if updates is None else updates
     outcome, policy_state = step.grouped_update(context, like, params, fns, perturb)
     return outcome, policy_state, (1 + ascent_steps, 1)
   accumulating = 0
   if settings.microbatches is not None:  # Whole-batch semantics, one micro-batch live.
-    grad_fn = accumulated(
-      microbatch_fns(grad_fn, batch, settings.microbatches), settings.microbatches
-    )
+    grad_fn = micro.whole_batch_grad_fn(grad_fn, inputs, settings.microbatches, settings.axis_name)
     if updates is None:
       clean_loss, updates = grad_fn(params)
       accumulating = 1
@@ -207,6 +200,7 @@ def _check_perturb(perturb, policy: SharpnessPolicy) -> None:
 
 
 def _initial_state(settings: step.Settings, params: optax.Params) -> GSAMState:
+  check_not_in_multisteps("gsam/sam")
   # A fresh buffer per field: a donated state must not hold one buffer twice.
   zero = lambda: jnp.zeros([], jnp.float32)
   zero_count = lambda: jnp.zeros([], jnp.int32)
@@ -305,11 +299,13 @@ def _update_fn(settings: step.Settings, rho: optax.ScalarOrSchedule, check_axis:
     value: jax.Array | None = None,
     perturb: bool | None = None,
     batch: Any = None,
+    key: jax.Array | None = None,
+    model_state: Any = None,
     **extra_args: Any,
   ) -> tuple[optax.Updates, GSAMState]:
     check_placement("gsam/sam")
-    params = numbers_as_arrays(params)
-    _check_update(updates, state, params, perturb, extra_args, settings, check_axis, batch)
+    params, inputs = numbers_as_arrays(params), micro.MicrobatchInputs(batch, key, model_state)
+    _check_update(updates, state, params, perturb, extra_args, settings, check_axis, inputs)
     hyper = step.hyperparams_at(rho, settings.policy, state.count, settings.alpha)
     context = step.StepContext(
       settings,
@@ -320,10 +316,10 @@ def _update_fn(settings: step.Settings, rho: optax.ScalarOrSchedule, check_axis:
       state.diagnostics,
       state.ascent_state,
     )
-    grad_fn = value_and_grad_from(loss_fn, value_and_grad_fn)
+    grad_fn = micro.user_grad_fn(loss_fn, value_and_grad_fn, inputs, settings)
     clean_loss = scalar_loss(value) if value is not None else None
     outcome, policy_state, evaluations = _run_stages(
-      context, updates, params, grad_fn, clean_loss, perturb, batch
+      context, updates, params, grad_fn, clean_loss, perturb, inputs
     )
     return outcome.gradient, _next_state(state, hyper, outcome, policy_state, evaluations)
 
@@ -406,7 +402,10 @@ def gsam(
   ``batch`` along its leading axis into k equal micro-batches, evaluated one
   at a time in a ``lax.scan`` (one micro-batch's activations and one
   params-sized sum live). Without ``batch``, the function receives the
-  micro-batch index (an int32 scalar in ``[0, k)``). Two semantics:
+  micro-batch index (an int32 scalar in ``[0, k)``). ``key=`` appends micro-batch
+  i's key ``fold_in(key, i)`` (the same in both passes); ``model_state=`` carries
+  state through the micro-batches (see :func:`optax_gsam.accumulate_value_and_grad`,
+  which runs the clean pass and returns the new state). Two semantics:
 
   * whole batch (default): :math:`g_c` and :math:`g_p` are the means over the
     micro-batches, the weights are perturbed once along the whole batch's

@@ -36,7 +36,15 @@ IGNORED_ARGUMENT = (
 )
 
 # The keywords gsam/sam/momentum_sam read from update(); a near miss of one is a misspelling.
-UPDATE_KEYWORDS = ("loss_fn", "value_and_grad_fn", "value", "perturb", "batch")
+UPDATE_KEYWORDS = (
+  "loss_fn",
+  "value_and_grad_fn",
+  "value",
+  "perturb",
+  "batch",
+  "key",
+  "model_state",
+)
 # How close (difflib ratio) a name must be to one of them to be taken for a misspelling:
 # `valu`/`value` is 0.89, `value_fn` (optax's line searches read it)/`value` is 0.77.
 TYPO_CUTOFF = 0.8

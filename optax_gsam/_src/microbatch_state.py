@@ -1,0 +1,314 @@
+"""What a step carries through its micro-batches: a PRNG key per micro-batch, and model state.
+
+With ``microbatches=k``, ``update`` and :func:`accumulate_value_and_grad` call
+the user's function once per micro-batch ``i`` as
+
+.. math::
+
+  \\text{loss\\_fn}(w, [s_{i-1},]\\ b_i\\ [, \\text{fold\\_in}(\\text{key}, i)])
+
+where ``[...]`` is present only when ``model_state=`` (:math:`s_0`) or ``key=``
+was given. A stateful loss returns :math:`(f_i, s_i)`: the state passes
+through the micro-batches as through k small steps, and the clean pass's
+:math:`s_k` is the new state. The perturbed pass starts again from :math:`s_0`,
+passes its own state along the same way (so an RNG counter in the state gives
+micro-batch ``i`` the same value in both passes) and drops it.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from optax_gsam._src.arrays import compute_dtype
+from optax_gsam._src.microbatch import MicrobatchFn
+from optax_gsam._src.microbatch import accumulated
+from optax_gsam._src.microbatch import check_batch
+from optax_gsam._src.microbatch import microbatch_fns
+from optax_gsam._src.user_functions import ValueAndGradFn
+from optax_gsam._src.user_functions import ValueAndGradWithArgsFn
+from optax_gsam._src.user_functions import scalar_loss
+from optax_gsam._src.user_functions import value_and_grad_from
+from optax_gsam._src.validation import check_positive_int
+
+HELPER_FIX = (
+  "update() cannot return a new model_state (optax's update returns only the updates and "
+  "the optimizer state): run the clean pass with (loss, new_model_state), grads = "
+  "optax_gsam.accumulate_value_and_grad(loss_fn, params, batch, microbatches=k, "
+  "model_state=model_state), then pass grads (not None) to update() with the same loss_fn, "
+  "batch, model_state and key (docs/large_batches.md, 'State and randomness')."
+)
+
+
+class MicrobatchInputs(NamedTuple):
+  """The micro-batched inputs of one step: ``batch=``, ``key=`` and ``model_state=``."""
+
+  batch: Any = None
+  key: jax.Array | None = None
+  model_state: Any = None
+
+  @property
+  def given(self) -> list[str]:
+    return [name for name in self._fields if getattr(self, name) is not None]
+
+
+def check_inputs(
+  inputs: MicrobatchInputs, k: int | None, updates: Any, params: Any, per_microbatch: bool
+) -> None:
+  """``batch``, ``key`` and ``model_state`` only where they are read, each error with its fix."""
+  if k is None:
+    if inputs.given:
+      name = inputs.given[0]
+      raise ValueError(
+        f"update() got {name}=, which gsam/sam read only with microbatches=k: set it, or close "
+        f"over the {name.replace('_', ' ')} in loss_fn."
+      )
+    return
+  if updates is not None and not jax.tree.leaves(updates) and jax.tree.leaves(params):
+    raise ValueError(
+      "updates is empty while params are not: nnx.Optimizer.update(model, None, ...) turns "
+      "grads=None into an empty State. With Flax NNX, run the clean pass with "
+      "optax_gsam.accumulate_value_and_grad on the function of "
+      "optax_gsam.flax.nnx_microbatch_loss_fn and pass its grads (docs/large_batches.md)."
+    )
+  if inputs.model_state is None:
+    return
+  if per_microbatch:
+    raise ValueError(
+      "model_state= is not supported with perturb_each_microbatch=True (num_groups): the "
+      "transform computes each micro-batch's clean pass itself and cannot return the new "
+      "state. Use the whole-batch semantics, or close over the state in loss_fn."
+    )
+  if updates is None:
+    raise ValueError("update(None, ...) got model_state=. " + HELPER_FIX)
+
+
+def describe_call(inputs: MicrobatchInputs) -> str:
+  """How the user's function is called, e.g. ``loss_fn(params, model_state, microbatch, key)``."""
+  parts = ["params"]
+  if inputs.model_state is not None:
+    parts.append("model_state")
+  parts.append("microbatch" if inputs.batch is not None else "index")
+  if inputs.key is not None:
+    parts.append("key")
+  return f"({', '.join(parts)})"
+
+
+def check_call_form(fn: Callable | None, name: str, inputs: MicrobatchInputs, k: int) -> None:
+  """Raises a ValueError where ``fn`` cannot take the arguments the micro-batches give it."""
+  if fn is None:
+    return
+  try:
+    signature = inspect.signature(fn)
+  except (TypeError, ValueError):  # A builtin or an opaque callable: let the call decide.
+    return
+  call = describe_call(inputs)
+  count = call.count(",") + 1
+  try:
+    signature.bind(*range(count))
+  except TypeError as error:
+    index_form = ""
+    if inputs.batch is None:
+      index_form = (
+        f" Without batch=, {name} receives the micro-batch index (an int32 scalar in "
+        f"[0, {k})) in place of the micro-batch and selects its data itself; or pass batch= and "
+        "take the micro-batch."
+      )
+    extras = ""
+    if inputs.model_state is not None:
+      extras += " With model_state=, it returns (loss, new_model_state)."
+    if inputs.key is not None:
+      extras += " With key=, the last argument is the micro-batch's own PRNG key."
+    raise ValueError(
+      f"With microbatches={k}, gsam/sam call {name}{call} once per micro-batch, but {name} "
+      f"does not take these arguments ({error}).{index_form}{extras}"
+    ) from None
+
+
+def user_grad_fn(
+  loss_fn: Callable | None,
+  value_and_grad_fn: Callable | None,
+  inputs: MicrobatchInputs,
+  settings: Any,
+) -> ValueAndGradWithArgsFn:
+  """The user's function as ``(params, *args) -> (value, grads)``, its call form checked."""
+  grad_fn = value_and_grad_from(loss_fn, value_and_grad_fn)
+  k = settings.num_groups if settings.num_groups is not None else settings.microbatches
+  if k is not None:
+    name = "loss_fn" if loss_fn is not None else "value_and_grad_fn"
+    check_call_form(loss_fn if loss_fn is not None else value_and_grad_fn, name, inputs, k)
+  return grad_fn
+
+
+def _arguments_of(inputs: MicrobatchInputs, k: int, axis_name: Any) -> Callable:
+  """``index -> (microbatch or index, [key])``: the arguments after params (and state)."""
+  batch, key = inputs.batch, inputs.key
+  if batch is not None:
+    check_batch(batch, k, axis_name)
+
+  def of(index):
+    if batch is None:
+      item = index
+    else:
+      size = jax.tree.leaves(batch)[0].shape[0] // k
+      item = jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, index * size, size), batch)
+    return (item,) if key is None else (item, jax.random.fold_in(key, index))
+
+  return of
+
+
+def group_fns(
+  grad_fn: ValueAndGradWithArgsFn, inputs: MicrobatchInputs, k: int, axis_name: Any = None
+) -> MicrobatchFn:
+  """``index -> (params -> grad_fn(params, microbatch[, key]))`` for stateless losses."""
+  if inputs.key is None:
+    return microbatch_fns(grad_fn, inputs.batch, k, axis_name)
+  arguments_of = _arguments_of(inputs, k, axis_name)
+  return lambda index: lambda params: grad_fn(params, *arguments_of(index))
+
+
+def _zeros_like_results(shapes: Any) -> Any:
+  return jax.tree.map(lambda s: jnp.zeros(s.shape, compute_dtype(s.dtype)), shapes)
+
+
+def _check_same_state(new: Any, old: Any) -> None:
+  same = jax.tree.structure(new) == jax.tree.structure(old) and all(
+    jnp.shape(a) == jnp.shape(b)
+    for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(old), strict=False)
+  )
+  if not same:
+    raise ValueError(
+      "loss_fn must return (loss, new_model_state) with new_model_state of model_state's "
+      f"structure and shapes; got {jax.tree.structure(new)} for {jax.tree.structure(old)}. "
+      "With Flax Linen, return the collection itself (updates['batch_stats']) when "
+      "model_state is the collection."
+    )
+
+
+def mean_and_final_state(k: int, result_of: Callable, initial_state: Any) -> tuple[Any, Any]:
+  """The mean of ``result_of(i, s_{i-1})[0]`` over ``i < k``, and :math:`s_k`.
+
+  ``result_of(index, state) -> (result, new_state)``; a ``lax.scan`` whose
+  carry is the running sum (float32 at least) and the state, so the state
+  passes through the micro-batches in order.
+  """
+  indices = jnp.arange(k, dtype=jnp.int32)
+  shapes, new_state = jax.eval_shape(result_of, indices[0], initial_state)
+  _check_same_state(new_state, initial_state)
+
+  def body(carry, index):
+    total, state = carry
+    result, new = result_of(index, state)
+    total = jax.tree.map(lambda t, x: t + x.astype(t.dtype), total, result)
+    return (total, optax.tree.cast_like(new, state)), None
+
+  (total, state), _ = jax.lax.scan(body, (_zeros_like_results(shapes), initial_state), indices)
+  return jax.tree.map(lambda t: t / k, total), state
+
+
+def stateful_accumulated(
+  grad_fn: ValueAndGradWithArgsFn, inputs: MicrobatchInputs, k: int, axis_name: Any = None
+) -> Callable[[optax.Params], tuple[jax.Array, optax.Updates, Any]]:
+  """``params -> (mean loss, mean gradient, s_k)``, the state passed through in order."""
+  arguments_of = _arguments_of(inputs, k, axis_name)
+
+  def value_and_grad(params):
+    def of(index, state):
+      value, grads = grad_fn(params, state, *arguments_of(index))
+      if not isinstance(value, (tuple, list)) or len(value) != 2:
+        raise ValueError(
+          "With model_state=, loss_fn must return (loss, new_model_state), got "
+          f"{type(value).__name__}."
+        )
+      return (scalar_loss(value), grads), value[1]
+
+    (loss, grads), state = mean_and_final_state(k, of, inputs.model_state)
+    return loss, optax.tree.cast_like(grads, params), state
+
+  return value_and_grad
+
+
+def whole_batch_grad_fn(
+  grad_fn: ValueAndGradWithArgsFn, inputs: MicrobatchInputs, k: int, axis_name: Any = None
+) -> ValueAndGradFn:
+  """``params -> (mean loss, mean gradient)``; a model state's final value is dropped."""
+  if inputs.model_state is None:
+    return accumulated(group_fns(grad_fn, inputs, k, axis_name), k)
+  accumulate = stateful_accumulated(grad_fn, inputs, k, axis_name)
+
+  def value_and_grad(params):
+    loss, grads, _ = accumulate(params)
+    return loss, grads
+
+  return value_and_grad
+
+
+def accumulate_value_and_grad(
+  loss_fn: Callable[..., Any],
+  params: optax.Params,
+  batch: Any = None,
+  *,
+  microbatches: int,
+  model_state: Any = None,
+  key: jax.Array | None = None,
+) -> tuple[tuple[jax.Array, Any], optax.Updates]:
+  r"""The clean pass of a micro-batched step: mean loss and gradient, and the new model state.
+
+  ``batch`` is split along its leading axis into ``microbatches`` = k equal
+  micro-batches :math:`b_i`, evaluated one at a time in a ``lax.scan``:
+
+  .. math::
+
+    (f_i, s_i) = \text{loss\_fn}(w, s_{i-1}, b_i, \text{fold\_in}(\text{key}, i)), \qquad
+    f = \frac{1}{k} \sum_i f_i, \qquad g_c = \frac{1}{k} \sum_i \nabla_w f_i
+
+  with the state argument present only when ``model_state`` (:math:`s_0`) is
+  given and the key only when ``key`` is (``loss_fn(params, microbatch)``
+  otherwise; without ``batch``, the micro-batch index replaces :math:`b_i`).
+  The state passes through the micro-batches as through k small steps: with
+  BatchNorm, each micro-batch is normalized with its own statistics (ghost
+  batch norm) and the running averages are updated k times.
+
+  Pass ``g_c`` to :func:`optax_gsam.gsam` (built with the same
+  ``microbatches``) with the same ``loss_fn``, ``batch``, ``model_state`` and
+  ``key``: its perturbed pass starts from :math:`s_0` and draws the same keys.
+
+  Args:
+    loss_fn: ``loss_fn(params, [model_state,] microbatch [, key])``; returns
+      ``(loss, new_model_state)`` with ``model_state``, else a scalar loss or
+      ``(loss, aux)`` (aux dropped).
+    params: the parameters :math:`w`.
+    batch: a pytree of arrays with one leading (example) size, or ``None``.
+    microbatches: k, the number of micro-batches.
+    model_state: the state carried through the micro-batches (Flax
+      ``batch_stats``, Haiku state, ``eqx.nn.State``), or ``None``.
+    key: the step's PRNG key; micro-batch i gets ``jax.random.fold_in(key, i)``.
+
+  Returns:
+    ``((loss, new_model_state), grads)``, as ``jax.value_and_grad(...,
+    has_aux=True)``; ``new_model_state`` is ``None`` without ``model_state``.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax_gsam
+    >>> def loss_fn(w, count, microbatch):
+    ...   return jnp.mean((microbatch * w) ** 2), count + 1
+    >>> (loss, count), grads = optax_gsam.accumulate_value_and_grad(
+    ...   loss_fn, jnp.ones(()), jnp.arange(8.0), microbatches=4, model_state=jnp.zeros(()))
+    >>> int(count)
+    4
+  """
+  check_positive_int("microbatches", microbatches)
+  inputs = MicrobatchInputs(batch, key, model_state)
+  check_call_form(loss_fn, "loss_fn", inputs, microbatches)
+  grad_fn = value_and_grad_from(loss_fn, None)
+  if model_state is None:
+    loss, grads = whole_batch_grad_fn(grad_fn, inputs, microbatches)(params)
+    return (loss, None), grads
+  loss, grads, state = stateful_accumulated(grad_fn, inputs, microbatches)(params)
+  return (loss, state), grads
