@@ -392,3 +392,52 @@ def test_gsam_with_the_gradient_cache_on_sharded_params(mode):
   assert_close(actual, expected, "gradient cache")
   assert actual[0]["w"].sharding.is_equivalent_to(sharded["w"], 2)
   assert_no_replicated_params_buffer(actual[1], params)
+
+
+@pytest.mark.parametrize("mode", [AxisType.Auto, AxisType.Explicit], ids=["auto", "explicit"])
+def test_microbatches_with_model_state_and_keys_on_sharded_params(mode):
+  """A running mean of the hidden units (as BatchNorm keeps) and a dropout key per micro-batch,
+  through 4 micro-batches of a sharded step: the same params, state and updates as unsharded."""
+  tx = optax.chain(optax_gsam.gsam(0.1, 0.3, microbatches=4), optax.sgd(0.05))
+
+  def run(params, batch, layout):
+    def loss_fn(p, stats, microbatch, key):
+      p = {name: layout.place(value, name) for name, value in p.items()}
+      x, target = microbatch
+      hidden = layout.place(jnp.tanh(x @ p["w1"] + p["b1"]), "hidden")
+      keep = jax.random.bernoulli(key, 0.8, hidden.shape)
+      centred = jnp.where(keep, hidden - stats, 0.0) / 0.8
+      out = layout.matmul(centred, p["w2"], "out") + p["b2"]
+      new_stats = 0.9 * stats + 0.1 * jnp.mean(jax.lax.stop_gradient(hidden), axis=0)
+      return jnp.mean(jnp.logaddexp(0.0, out) * target), new_stats
+
+    @jax.jit
+    def step(params, opt_state, stats, key):
+      args = dict(microbatches=4, model_state=stats, key=key)
+      (loss, new_stats), grads = optax_gsam.accumulate_value_and_grad(
+        loss_fn, params, batch, **args
+      )
+      updates, opt_state = tx.update(
+        grads, opt_state, params, loss_fn=loss_fn, batch=batch, model_state=stats, key=key,
+        value=loss,
+      )  # fmt: skip
+      return optax.apply_updates(params, updates), opt_state, new_stats
+
+    opt_state, stats = tx.init(params), jnp.zeros(HIDDEN)
+    for i in range(2):
+      params, opt_state, stats = step(params, opt_state, stats, jax.random.key(i))
+    return params, opt_state, stats
+
+  with jax.enable_x64(True):
+    params, batch = make_data()
+    expected = jax.device_get(run(params, batch, Unsharded))
+    shape, names, param_specs, _, batch_spec = LAYOUTS["fsdp+tensor"]
+    mesh = jax.make_mesh(shape, names, axis_types=(mode,) * len(names))
+    with jax.set_mesh(mesh):
+      params = {
+        k: jax.device_put(v, NamedSharding(mesh, param_specs[k])) for k, v in params.items()
+      }
+      batch = jax.device_put(batch, NamedSharding(mesh, batch_spec))
+      actual = run(params, batch, Layout("fsdp+tensor", mode))
+  assert_close(actual, expected, "stateful micro-batches")
+  assert_no_replicated_params_buffer(actual[1], params)

@@ -26,7 +26,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_gsam._src.arrays import compute_dtype
+from optax_gsam._src.arrays import conform
+from optax_gsam._src.arrays import zeros_accumulator
 from optax_gsam._src.microbatch import MicrobatchFn
 from optax_gsam._src.microbatch import accumulated
 from optax_gsam._src.microbatch import check_batch
@@ -173,10 +174,6 @@ def group_fns(
   return lambda index: lambda params: grad_fn(params, *arguments_of(index))
 
 
-def _zeros_like_results(shapes: Any) -> Any:
-  return jax.tree.map(lambda s: jnp.zeros(s.shape, compute_dtype(s.dtype)), shapes)
-
-
 def _check_same_state(new: Any, old: Any) -> None:
   same = jax.tree.structure(new) == jax.tree.structure(old) and all(
     jnp.shape(a) == jnp.shape(b)
@@ -206,9 +203,12 @@ def mean_and_final_state(k: int, result_of: Callable, initial_state: Any) -> tup
     total, state = carry
     result, new = result_of(index, state)
     total = jax.tree.map(lambda t, x: t + x.astype(t.dtype), total, result)
-    return (total, optax.tree.cast_like(new, state)), None
+    # The state keeps the dtypes and layout it came in with, whatever layout the loss gave it.
+    return (total, conform(new, state)), None
 
-  (total, state), _ = jax.lax.scan(body, (_zeros_like_results(shapes), initial_state), indices)
+  (total, state), _ = jax.lax.scan(
+    body, (jax.tree.map(zeros_accumulator, shapes), initial_state), indices
+  )
   return jax.tree.map(lambda t: t / k, total), state
 
 

@@ -167,8 +167,11 @@ def _accumulates(frame: Any) -> bool:
   k_steps = frame.f_locals.get("k_steps", _UNKNOWN)
   if k_steps is _UNKNOWN:
     return frame.f_code.co_name == "update"
-  one = isinstance(k_steps, numbers.Integral) and not isinstance(k_steps, bool) and k_steps == 1
-  return not one
+  return not _is_one(k_steps)
+
+
+def _is_one(k_steps: Any) -> bool:
+  return isinstance(k_steps, numbers.Integral) and not isinstance(k_steps, bool) and k_steps == 1
 
 
 def check_not_in_multisteps(name: str) -> None:
@@ -180,7 +183,9 @@ def check_not_in_multisteps(name: str) -> None:
   """
   frame: types.FrameType | None = sys._getframe(1)
   while frame is not None:
-    if isinstance(frame.f_locals.get("self"), optax.MultiSteps) and _accumulates(frame):
+    owner = frame.f_locals.get("self")
+    # At init no frame reads k_steps; an int schedule is wrapped as a function returning it.
+    if isinstance(owner, optax.MultiSteps) and not _is_one(owner._every_k_schedule(0)):
       raise ValueError(
         f"{name} inside optax.MultiSteps would give a silently wrong step: MultiSteps passes "
         "the gradient accumulated over k calls, but the perturbed pass would evaluate only the "
