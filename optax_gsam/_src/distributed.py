@@ -96,6 +96,16 @@ def data_parallel(
   in a ``jit``-on-a-mesh trainer: under plain ``jax.jit`` with sharded arrays
   gradients are global, so the perturbation is necessarily synchronized.
 
+  **Perturbation groups.** On a mesh with more axes than ``axis_name`` names
+  (e.g. ``("replica", "fsdp")`` with ``axis_name="replica"``), the
+  ``shard_map`` is over the replica axes only and the other axes stay with
+  ``jax.jit``: inside ``step_fn`` the parameters keep the layout the caller
+  gave them over those axes (FSDP, tensor parallelism), the batch is one
+  replica group's, and the transform (built with the same ``axis_name``)
+  perturbs each group with its own gradient. Inputs are then not placed: give
+  params, state and batch the shardings they train with (the batch split over
+  the replica axes, e.g. ``P(("replica", "fsdp"))``). See docs/sharded.md.
+
   The ``shard_map`` runs with ``check_vma=False``. With JAX's default
   (``check_vma=True``), ``jax.grad`` with respect to a replicated input returns
   the gradient already summed over the axis, so the transform would see the
@@ -108,7 +118,8 @@ def data_parallel(
     mesh: a ``jax.sharding.Mesh`` with an axis called ``axis_name``; on a pod,
       the global mesh over ``jax.devices()``. Its axes may be Explicit
       (``jax.make_mesh``'s default) or Auto (``Mesh(np.array(devices), ("data",))``).
-    axis_name: the mesh axis the batch is split over.
+    axis_name: the mesh axis the batch is split over (the replica axis), or a
+      tuple of such axes.
     batch_argnums: positions of the batch-sharded arguments.
     donate_argnums: forwarded to ``jax.jit`` (e.g. ``(0, 1)`` for params and
       optimizer state).
