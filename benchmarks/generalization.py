@@ -61,7 +61,7 @@ CONTENDERS: dict[str, Contender] = {
   "gsam k=5": Contender(
     before_base(lambda hp: optax_gsam.gsam(hp.rho, hp.alpha, perturb_every=5)), "gsam"
   ),
-  # Ascent directions (issue 27), each at the paper's default and its own tuned rho.
+  # Ascent directions, each at the paper's default and its own tuned rho.
   "friendly-sam": Contender(
     before_base(lambda hp: optax_gsam.sam(hp.rho, ascent=optax_gsam.friendly_ascent())),
     "friendly-sam",

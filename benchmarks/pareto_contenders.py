@@ -128,7 +128,7 @@ CONTENDERS: dict[str, Contender] = {
     cheap_policy=True,
     evaluations=1,
   ),
-  # Directions (issue 27), each at its own tuned values.
+  # Directions, each at its own tuned values.
   "friendly-sam": _sam("friendly-sam", ascent=optax_gsam.friendly_ascent()),
   "vasso": _sam("vasso", ascent=optax_gsam.vasso_ascent()),
   "sam-2step": _sam("sam-2step", evaluations=3, ascent_steps=2),

@@ -36,7 +36,7 @@ def check_targets(
       ]
       target = f"(a) {where}: a cheap policy with acc >= SAM mean - std ({100 * bar:.2f}%) at step cost <= {COST_LIMIT}"
       checks.append(harness.check(target, ", ".join(winners) or "none", bool(winners)))
-    if "base" in here:  # (d): no cheap policy may end below base - 2 std (issue 27)
+    if "base" in here:  # (d): no cheap policy may end below base - 2 std
       floor = here["base"]["acc_mean"] - 2 * here["base"]["acc_std"]
       low = [
         f"{name} {100 * r['acc_mean']:.2f}%"
