@@ -257,7 +257,7 @@ def _tuned(lr: float, sam: float, gsam: float, gsam_lr: float, msam: float) -> d
   return {k: {"lr": lr, "rho": rho, "alpha": alpha.get(k, 0.0)} for k, rho in rhos.items()}
 
 
-# Chosen on the validation split by the last full run (pareto.json's "tuned"); --no-tune uses them.
+# Chosen on the validation split by an earlier full run (lr first, then rho); --no-tune uses them.
 DEFAULTS: dict[str, dict[float, dict[str, dict[str, float]]]] = {
   "digits": {
     0.2: _tuned(1.25e-4, sam=0.1, gsam=0.1, gsam_lr=0.1, msam=0.03),
