@@ -61,7 +61,7 @@ CONTENDERS: dict[str, Contender] = {
   "gsam k=5": Contender(
     before_base(lambda hp: optax_gsam.gsam(hp.rho, hp.alpha, perturb_every=5)), "gsam"
   ),
-  # Ascent directions (issue 27), each at the paper's default and its own tuned rho.
+  # Ascent directions, each at the paper's default and its own tuned rho.
   "friendly-sam": Contender(
     before_base(lambda hp: optax_gsam.sam(hp.rho, ascent=optax_gsam.friendly_ascent())),
     "friendly-sam",
@@ -346,8 +346,7 @@ def cost_only(args, argv) -> dict:
   return harness.save("generalization_cost", "full", result, args.out_dir, argv)
 
 
-def main(argv: list[str] | None = None) -> dict:
-  """Runs the benchmark; prints the table, writes JSON (and a PNG unless ``--no-plot``)."""
+def parse_args(argv: list[str] | None):
   parser = harness.parser(__doc__, CONTENDERS)
   parser.add_argument("--seeds", type=int, default=None)
   parser.add_argument("--epochs", type=int, default=None)
@@ -360,7 +359,48 @@ def main(argv: list[str] | None = None) -> dict:
     action="store_true",
     help="train NormMLP (a LayerNorm per hidden layer) with NORM_CONTENDERS, for SAM-ON",
   )
-  args = parser.parse_args(argv)
+  return parser.parse_args(argv)
+
+
+def train_all(task, contenders, hparams, runs_of, track_every) -> tuple[list[dict], dict]:
+  """Trains each contender's runs together (vmapped); the rows and each contender's timings."""
+  results: dict[str, list[tuple[harness.Run, dict]]] = {}
+  timings: dict[str, dict] = {}
+  for name, contender in contenders.items():
+    runs = runs_of(hparams[name])
+    timings[name] = {}
+    out, _ = harness.run_batch(
+      contender,
+      task,
+      runs,
+      validation=False,
+      curves=True,
+      final_metrics=sharpness,
+      track=track,
+      track_every=track_every,
+      timings=timings[name],
+    )
+    results[name] = list(zip(runs, out, strict=True))
+  return summarize(results), timings
+
+
+def sharpness_settings(track_every: int) -> dict:
+  """How the sharpness columns and the tracked lambda_max were measured."""
+  return {
+    "lanczos_iterations": LANCZOS_ITERATIONS,
+    "trace_probes": TRACE_PROBES,
+    "m": M,
+    "ascent_steps": ASCENT_STEPS,
+    "adaptive_rho": ADAPTIVE_RHO,
+    "density_iterations": DENSITY_ITERATIONS,
+    "track_every_epochs": track_every,
+    "track_iterations": TRACK_ITERATIONS,
+  }
+
+
+def main(argv: list[str] | None = None) -> dict:
+  """Runs the benchmark; prints the table, writes JSON (and a PNG unless ``--no-plot``)."""
+  args = parse_args(argv)
   if args.tune:
     return tune(args, argv)
   if args.cost:
@@ -377,27 +417,10 @@ def main(argv: list[str] | None = None) -> dict:
     f"{task.name} ({task.model.__class__.__name__}), noise {args.noise}, {seeds} seeds, {task.epochs} epochs of batch {task.batch_size}, AdamW + warmup/cosine; {hparams}"
   )
   start = time.perf_counter()
-  results: dict[str, list[tuple[harness.Run, dict]]] = {}
-  timings: dict[str, dict] = {}
   runs_of = lambda hp: [
     harness.Run(n, s, hp["lr"], hp["rho"], hp["alpha"]) for n in args.noise for s in range(seeds)
   ]
-  for name, contender in contenders.items():
-    runs = runs_of(hparams[name])
-    timings[name] = {}
-    out, _ = harness.run_batch(
-      contender,
-      task,
-      runs,
-      validation=False,
-      curves=True,
-      final_metrics=sharpness,
-      track=track,
-      track_every=args.track_every,
-      timings=timings[name],
-    )
-    results[name] = list(zip(runs, out, strict=True))
-  rows = summarize(results)
+  rows, timings = train_all(task, contenders, hparams, runs_of, args.track_every)
   print(format_table(rows))
   cost = {}
   if "base" in contenders:
@@ -419,16 +442,7 @@ def main(argv: list[str] | None = None) -> dict:
     "hparams": hparams,
     "gap_rho": GAP_RHO,
     "sharpness_labels": "training labels (noisy)",
-    "sharpness_settings": {
-      "lanczos_iterations": LANCZOS_ITERATIONS,
-      "trace_probes": TRACE_PROBES,
-      "m": M,
-      "ascent_steps": ASCENT_STEPS,
-      "adaptive_rho": ADAPTIVE_RHO,
-      "density_iterations": DENSITY_ITERATIONS,
-      "track_every_epochs": args.track_every,
-      "track_iterations": TRACK_ITERATIONS,
-    },
+    "sharpness_settings": sharpness_settings(args.track_every),
     "timings": timings,
     "tracking_cost": cost,
     "rows": rows,

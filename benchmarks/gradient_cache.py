@@ -134,6 +134,25 @@ def plot(memory, path):
   harness.save_figure(fig, path)
 
 
+def measure(fns, params, batch_spec, memory_batches, timing_batches, rounds) -> tuple:
+  """Each variant's compiled temp bytes per batch; its median seconds and ratio to full batch."""
+  memory = {
+    name: {
+      str(b): int(compiled(fn, params, batch_spec(b)).memory_analysis().temp_size_in_bytes)
+      for b in memory_batches
+    }
+    for name, fn in fns.items()
+  }
+  timing, time_ratios = {}, {}
+  rng = np.random.default_rng(0)
+  for batch in timing_batches:
+    spec = batch_spec(batch)
+    data = jax.tree.map(lambda s: jnp.asarray(rng.normal(size=s.shape), s.dtype), spec)
+    jitted = {name: jax.jit(fn) for name, fn in fns.items()}
+    timing[str(batch)], time_ratios[str(batch)] = time_variants(jitted, params, data, rounds)
+  return memory, timing, time_ratios
+
+
 def main(argv: list[str] | None = None) -> dict:
   parser = harness.parser(__doc__)
   parser.add_argument("--chunk", type=int, default=128)
@@ -150,22 +169,9 @@ def main(argv: list[str] | None = None) -> dict:
 
   params, embed, batch_spec = make_problem(config)
   fns = variants(embed, args.chunk, args.tile)
-
-  memory = {
-    name: {
-      str(b): int(compiled(fn, params, batch_spec(b)).memory_analysis().temp_size_in_bytes)
-      for b in memory_batches
-    }
-    for name, fn in fns.items()
-  }
-
-  timing, time_ratios = {}, {}
-  rng = np.random.default_rng(0)
-  for batch in timing_batches:
-    spec = batch_spec(batch)
-    data = jax.tree.map(lambda s: jnp.asarray(rng.normal(size=s.shape), s.dtype), spec)
-    jitted = {name: jax.jit(fn) for name, fn in fns.items()}
-    timing[str(batch)], time_ratios[str(batch)] = time_variants(jitted, params, data, rounds)
+  memory, timing, time_ratios = measure(
+    fns, params, batch_spec, memory_batches, timing_batches, rounds
+  )
 
   print(f"Two-tower transformer {config}, chunk {args.chunk}, tile {args.tile}")
   print("\ncompiled temp memory (MiB)")

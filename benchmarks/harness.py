@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import random
-import re
 import time
 from collections.abc import Callable
 from collections.abc import Sequence
@@ -31,6 +29,9 @@ from reporting import parser as parser
 from reporting import render_table as render_table
 from reporting import save as save
 from reporting import save_figure as save_figure
+from timing import Timed as Timed  # re-exported, as reporting's names
+from timing import hlo_stats as hlo_stats
+from timing import interleaved as interleaved
 
 import optax_gsam
 from optax_gsam import demo
@@ -218,6 +219,52 @@ def _full_steps(opt_state: Any, contender: Contender, num_steps: int) -> jax.Arr
   return optax.tree.get(opt_state, "full_steps")
 
 
+def _tracked(track: Callable | None, batch_loss: Callable, key, train_set, track_every: int):
+  """``track`` after every ``track_every``-th epoch under a ``lax.cond``, NaNs after the others.
+
+  ``None`` without ``track``.
+  """
+  if track is None:
+    return None
+
+  def tracked(params, index):
+    measure = lambda p: track(batch_loss, p, jax.random.fold_in(key, index), train_set)
+    skip = lambda p: jax.tree.map(
+      lambda s: jnp.full(s.shape, jnp.nan, s.dtype), jax.eval_shape(measure, p)
+    )
+    return jax.lax.cond((index + 1) % track_every == 0, measure, skip, params)
+
+  return tracked
+
+
+def _noise_fitted(model, params, train_set, y_clean) -> jax.Array:
+  """The share of the corrupted training labels that the model predicts."""
+  x_train, y_train = train_set
+  fitted = jnp.argmax(model.apply(params, x_train), axis=-1) == y_train
+  corrupted = y_train != y_clean
+  return jnp.sum(fitted & corrupted) / jnp.maximum(jnp.sum(corrupted), 1)
+
+
+def _epoch(step: Callable, train_set, batch: int, evaluate, tracked) -> Callable:
+  """One epoch for ``lax.scan``: shuffled batches through ``step``, then the curves' points."""
+  x_train, y_train = train_set
+  n = len(x_train)
+  steps_per_epoch = n // batch
+
+  def batch_step(carry, idx):
+    params, opt_state, loss = step(*carry, x_train[idx], y_train[idx])
+    return (params, opt_state), loss
+
+  def epoch(carry, inputs):
+    epoch_key, index = inputs
+    order = jax.random.permutation(epoch_key, n)[: steps_per_epoch * batch]
+    carry, losses = jax.lax.scan(batch_step, carry, order.reshape(steps_per_epoch, batch))
+    out = evaluate(carry[0], losses) if evaluate is not None else ()
+    return carry, (out, tracked(carry[0], index) if tracked is not None else {})
+
+  return epoch
+
+
 def make_train(
   contender: Contender,
   task: Task,
@@ -253,40 +300,21 @@ def make_train(
     tx = contender.make(base, HParams(lr, rho, alpha, num_steps, extra_key, unit_lr))
     step = train_step(model, tx, contender)
     accuracy = lambda p: jnp.mean(jnp.argmax(model.apply(p, x_eval), axis=-1) == y_eval)
-
-    def batch_step(carry, idx):
-      params, opt_state, loss = step(*carry, x_train[idx], y_train[idx])
-      return (params, opt_state), loss
-
     batch_loss = lambda p, xy: cross_entropy(model.apply(p, xy[0]), xy[1])
     train_set = (x_train, y_train)
     full_loss = lambda p: batch_loss(p, train_set)
-
-    def tracked(params, index):
-      measure = lambda p: track(batch_loss, p, jax.random.fold_in(extra_key, index), train_set)
-      skip = lambda p: jax.tree.map(
-        lambda s: jnp.full(s.shape, jnp.nan, s.dtype), jax.eval_shape(measure, p)
-      )
-      return jax.lax.cond((index + 1) % track_every == 0, measure, skip, params)
-
-    def epoch(carry, inputs):
-      epoch_key, index = inputs
-      order = jax.random.permutation(epoch_key, n)[: steps_per_epoch * batch]
-      carry, losses = jax.lax.scan(batch_step, carry, order.reshape(steps_per_epoch, batch))
-      out = (losses.mean(), accuracy(carry[0])) if curves else ()
-      return carry, (out, tracked(carry[0], index) if track is not None else {})
-
+    tracked = _tracked(track, batch_loss, extra_key, train_set, track_every)
+    evaluate = (lambda p, losses: (losses.mean(), accuracy(p))) if curves else None
+    epoch = _epoch(step, train_set, batch, evaluate, tracked)
     params = model.init(init_key, x_train[:1])
     epochs = (jax.random.split(data_key, task.epochs), jnp.arange(task.epochs))
     (params, opt_state), (curve, track_curves) = jax.lax.scan(
       epoch, (params, tx.init(params)), epochs
     )
-    fitted = jnp.argmax(model.apply(params, x_train), axis=-1) == y_train
-    corrupted = y_train != y_clean
     out = {
       "accuracy": accuracy(params),
       "train_loss": full_loss(params),
-      "noise_fitted": jnp.sum(fitted & corrupted) / jnp.maximum(jnp.sum(corrupted), 1),
+      "noise_fitted": _noise_fitted(model, params, train_set, y_clean),
       "full_steps": _full_steps(opt_state, contender, num_steps),
     }
     if curves:
@@ -366,6 +394,39 @@ def run_batch(
   return [{k: v[i].tolist() for k, v in out.items()} for i in range(len(runs))], num_steps
 
 
+def _best_points(
+  task: Task,
+  contenders: dict[str, Contender],
+  key: str,
+  points: dict[float, list[tuple[float, float, float]]],
+  *,
+  seeds: int,
+  sweep: dict[str, list[dict]],
+  compiler_options: dict | None,
+) -> dict:
+  """Trains ``key``'s contender on every ``(lr, rho, alpha)`` of ``points`` (per noise level).
+
+  Returns the best point per noise level by mean validation accuracy over ``seeds``; appends
+  every point's score to ``sweep[key]``.
+  """
+  runs = [
+    Run(noise, s, *point) for noise, grid in points.items() for point in grid for s in range(seeds)
+  ]
+  metrics, _ = run_batch(
+    contenders[key], task, runs, validation=True, compiler_options=compiler_options
+  )
+  best: dict[float, dict] = {}
+  for i in range(0, len(runs), seeds):
+    run = runs[i]
+    acc = float(np.mean([m["accuracy"] for m in metrics[i : i + seeds]]))
+    point = {"noise": run.noise, "lr": run.lr, "rho": run.rho, "alpha": run.alpha}
+    sweep.setdefault(key, []).append({**point, "val_accuracy": acc})
+    print(f"  tune {task.name} {key:8s} {point}: val acc {100 * acc:.2f}%", flush=True)
+    if run.noise not in best or acc > best[run.noise][1]:
+      best[run.noise] = ({"lr": run.lr, "rho": run.rho, "alpha": run.alpha}, acc)
+  return {noise: point for noise, (point, _) in best.items()}
+
+
 def tune(
   task: Task,
   contenders: dict[str, Contender],
@@ -395,28 +456,9 @@ def tune(
     The chosen values, ``{noise: {key: {"lr", "rho", "alpha"}}}``, and the whole sweep.
   """
   sweep: dict[str, list[dict]] = {}
-
-  def evaluate(key: str, points: dict[float, list[tuple[float, float, float]]]) -> dict:
-    runs = [
-      Run(noise, s, *point)
-      for noise, grid in points.items()
-      for point in grid
-      for s in range(seeds)
-    ]
-    metrics, _ = run_batch(
-      contenders[key], task, runs, validation=True, compiler_options=compiler_options
-    )
-    best: dict[float, dict] = {}
-    for i in range(0, len(runs), seeds):
-      run = runs[i]
-      acc = float(np.mean([m["accuracy"] for m in metrics[i : i + seeds]]))
-      point = {"noise": run.noise, "lr": run.lr, "rho": run.rho, "alpha": run.alpha}
-      sweep.setdefault(key, []).append({**point, "val_accuracy": acc})
-      print(f"  tune {task.name} {key:8s} {point}: val acc {100 * acc:.2f}%", flush=True)
-      if run.noise not in best or acc > best[run.noise][1]:
-        best[run.noise] = ({"lr": run.lr, "rho": run.rho, "alpha": run.alpha}, acc)
-    return {noise: point for noise, (point, _) in best.items()}
-
+  evaluate = functools.partial(
+    _best_points, task, contenders, seeds=seeds, sweep=sweep, compiler_options=compiler_options
+  )
   noises = task.noise_levels
   base_lrs = list(lr_grid)
   if joint and grids:
@@ -438,47 +480,6 @@ def tune(
 
 
 # ----------------------------------------------------------------------------- timing
-
-
-def hlo_stats(compiled: Any) -> dict[str, float]:
-  """Deterministic facts about a compiled step: XLA's cost analysis and HLO op counts."""
-  cost = compiled.cost_analysis()
-  if isinstance(cost, list):  # older jax returns one dict per device
-    cost = cost[0]
-  text = compiled.as_text()
-  return {
-    "flops": float(cost.get("flops", float("nan"))),
-    "bytes_accessed": float(cost.get("bytes accessed", float("nan"))),
-    "reduce_ops": len(re.findall(r"\breduce\(", text)),
-    "fusions": len(re.findall(r"\bfusion\(", text)) + len(re.findall(r" fusion\.?\d* = ", text)),
-  }
-
-
-@dataclasses.dataclass
-class Timed:
-  """Functions called in turn on a live state (``state -> state``), for interleaved timing.
-
-  Attributes:
-    cycle: the functions; step ``t`` calls ``cycle[t % len(cycle)]``.
-    state: what the next call receives.
-    stats: :func:`hlo_stats` per step, averaged over the cycle.
-    compile_s: the seconds the compilation took.
-  """
-
-  cycle: tuple[Callable[[Any], Any], ...]
-  state: Any = None
-  stats: dict[str, float] = dataclasses.field(default_factory=dict)
-  compile_s: float = 0.0
-  count: int = 0
-
-  def run(self, steps: int) -> float:
-    """Runs ``steps`` calls; returns seconds per call."""
-    start = time.perf_counter()
-    for _ in range(steps):
-      self.state = self.cycle[self.count % len(self.cycle)](self.state)
-      self.count += 1
-    jax.block_until_ready(self.state)
-    return (time.perf_counter() - start) / steps
 
 
 def _advance(compiled: Callable, x: jax.Array, y: jax.Array, state: tuple) -> tuple:
@@ -521,51 +522,3 @@ def compile_step(
   timed = Timed(cycle, (params, opt_state, None), stats, compile_s)
   timed.run(2)  # warm up
   return timed
-
-
-def interleaved(
-  timed: dict[str, Timed],
-  base: str,
-  *,
-  rounds: int,
-  steps: int,
-  paired: bool = False,
-  seed: int = 0,
-) -> dict[str, dict[str, Any]]:
-  """Median ms per step of each entry and the median of its ratios to ``base``'s runs.
-
-  Every round visits the entries in a fresh random order, each for ``steps`` calls.
-  Unpaired, each entry runs once a round and a ratio is to ``base``'s run of the same
-  round. Paired, every other entry's run sits right next to a run of ``base`` of its
-  own (before it on even rounds, after it on odd ones), so a ratio compares two runs
-  a few milliseconds apart: the load of a shared machine changes faster than a round.
-  """
-  seconds: dict[str, list[float]] = {name: [] for name in timed}
-  against: dict[str, list[float]] = {name: [] for name in timed}
-  order = [name for name in timed if name != base or not paired]
-  shuffle = random.Random(seed)
-  for i in range(rounds):
-    shuffle.shuffle(order)
-    if not paired:
-      for name in order:
-        seconds[name].append(timed[name].run(steps))
-      for name in order:
-        against[name].append(seconds[base][-1])
-      continue
-    for name in order:
-      first, second = (base, name) if i % 2 == 0 else (name, base)
-      times = {first: timed[first].run(steps), second: timed[second].run(steps)}
-      seconds[name].append(times[name])
-      seconds[base].append(times[base])
-      against[name].append(times[base])
-  against[base] = seconds[base]
-  flops = timed[base].stats.get("flops", float("nan"))
-  return {
-    name: {
-      "ms": 1e3 * float(np.median(seconds[name])),
-      "ratio": float(np.median(np.array(seconds[name]) / np.array(against[name]))),
-      "flops_ratio": timed[name].stats.get("flops", float("nan")) / flops,
-      "seconds": seconds[name],
-    }
-    for name in timed
-  }

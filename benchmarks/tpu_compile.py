@@ -401,7 +401,7 @@ def _ratio(rows, dtype, name, other, key) -> float | None:
 
 
 def targets(rows: list[dict]) -> list[tuple[str, float | None, bool | None]]:
-  """The issue's targets that these compiles can check: (what, figure, met)."""
+  """The targets that these compiles can check: (what, figure, met)."""
   out = []
   for dtype in sorted({r["dtype"] for r in rows}):
     by = {r["contender"]: r for r in rows if r["dtype"] == dtype}

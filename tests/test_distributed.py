@@ -112,7 +112,7 @@ def test_shard_map_matches_float64_reference(mesh, sync):
 
 @pytest.mark.parametrize("sync", [False, True])
 def test_classic_mesh_with_auto_axes_matches_float64_reference(sync):
-  # Mesh(np.array(devices), names) has Auto axes, which jax.reshard refuses (issue 17).
+  # Mesh(np.array(devices), names) has Auto axes, which jax.reshard refuses.
   classic = Mesh(np.array(jax.devices()[:NUM_DEVICES]), ("data",))
   assert classic.axis_types == (AxisType.Auto,)
   p = _three_steps_against_the_reference(classic, sync)
