@@ -13,7 +13,7 @@ python="${PYTHON:-python3}"
 venv="${FLOORS_VENV:-$(mktemp -d)/venv}"
 [[ -n "${FLOORS_VENV:-}" ]] || trap 'rm -rf "$(dirname "$venv")"' EXIT
 subset=(tests/test_sharpness.py tests/test_policies.py tests/test_flax.py
-        tests/test_distributed.py)
+        tests/test_distributed.py tests/test_sharded.py)
 tests=("${@:-${subset[@]}}")
 
 rm -rf "$venv"
