@@ -267,6 +267,18 @@ def _check_snapshot_precedes_clean_pass(
     raise ValueError(_SNAPSHOT_AFTER_CLEAN_PASS.format(changed=changed))
 
 
+def _check_nnx_arguments(loss_fn: Any, model: Any) -> None:
+  """The loss is callable and the model an NNX object, each named in the error."""
+  if not callable(loss_fn):
+    raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}.")
+  if not isinstance(model, nnx.Pytree):
+    raise TypeError(
+      "model must be an NNX object (the nnx.Module the optimizer updates), got "
+      f"{type(model).__name__}. Linen and plain-JAX steps pass their own params -> loss "
+      "function as loss_fn."
+    )
+
+
 def nnx_loss_fn(
   loss_fn: Callable[..., Any],
   model: nnx.Module,
@@ -343,14 +355,7 @@ def nnx_loss_fn(
     >>> int(optimizer.step[...])
     1
   """
-  if not callable(loss_fn):
-    raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}.")
-  if not isinstance(model, nnx.Pytree):
-    raise TypeError(
-      "model must be an NNX object (the nnx.Module the optimizer updates), got "
-      f"{type(model).__name__}. Linen and plain-JAX steps pass their own params -> loss "
-      "function as loss_fn."
-    )
+  _check_nnx_arguments(loss_fn, model)
   leaves, treedef = jax.tree.flatten((args, kwargs), is_leaf=_is_nnx_node)
   node_at = [i for i, leaf in enumerate(leaves) if _is_nnx_node(leaf)]
   # Split the model and the NNX arguments together, so state they share stays shared.
@@ -435,13 +440,7 @@ def nnx_microbatch_loss_fn(
     >>> int(optimizer.step[...])
     1
   """
-  if not callable(loss_fn):
-    raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}.")
-  if not isinstance(model, nnx.Pytree):
-    raise TypeError(
-      "model must be an NNX object (the nnx.Module the optimizer updates), got "
-      f"{type(model).__name__}."
-    )
+  _check_nnx_arguments(loss_fn, model)
   graphdef, params, *others = nnx.split(model, wrt, ...)
 
   def stateful_loss_fn(params: Any, model_state: Any, microbatch: Any, *args: Any):
