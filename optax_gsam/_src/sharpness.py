@@ -76,7 +76,7 @@ class GSAMState(NamedTuple):
     policy_state: the state of the cheap-step policy (see
       :class:`optax_gsam.SharpnessPolicy`).
     stored_direction: for policies with ``cheap="reuse"`` (e.g.
-      ``perturb_every > 1``), the stored direction :math:`v` reused on cheap
+      ``every_k_policy(k)``), the stored direction :math:`v` reused on cheap
       steps (params-shaped): the part of the last full step's output
       orthogonal to its clean gradient, divided by that gradient's norm.
       ``None`` otherwise. A step whose gradients or perturbed loss are not
