@@ -60,16 +60,8 @@ def test_whole_batch_semantics_is_gsam_on_the_whole_batch(pass_clean, name):
     assert int(state[0].gradient_evaluations) == 3 * (1 if pass_clean else 2)
 
 
-def test_per_microbatch_semantics_is_the_mean_of_per_microbatch_gsam():
-  direction, kwargs = DIRECTIONS["vasso"]
-  with jax.enable_x64(True):
-    params, x, t = make_data(12)
-    tx = gsam_chain(microbatches=K, perturb_each_microbatch=True, **kwargs)
-    p, state = run(params, x, t, tx)
-    np.testing.assert_allclose(
-      flat(p), reference_run(params, x, t, direction, shards=K), rtol=1e-11
-    )
-    assert int(state[0].gradient_evaluations) == 3 * 2
+# Per-micro-batch semantics, for every direction with gsam and sam, masks and n ascent steps:
+# tests/test_ascent.py's table (the "8-devices-per-microbatch" layout).
 
 
 @pytest.mark.parametrize(
