@@ -44,9 +44,9 @@ from optax_gsam._src.policies import random_policy
 from optax_gsam._src.schedules import rho_from_lr
 from optax_gsam._src.schedules import schedule_extrema
 from optax_gsam._src.sharpness import GSAMState
-from optax_gsam._src.sharpness import full_step_due
 from optax_gsam._src.sharpness import gsam
 from optax_gsam._src.sharpness import sam
+from optax_gsam._src.step_due import full_step_due
 from optax_gsam._src.worst_case import m_sharpness
 
 __version__ = "0.1.0"

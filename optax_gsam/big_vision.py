@@ -31,6 +31,7 @@ import numpy as np
 import optax
 
 from optax_gsam._src import perturbation as pert
+from optax_gsam._src.ascent import adaptive_ascent
 from optax_gsam._src.schedules import rho_from_lr
 from optax_gsam._src.schedules import schedule_extrema
 from optax_gsam._src.sharpness import gsam
@@ -423,7 +424,7 @@ def gsam_from_config(
   ``lr_max``, ``lr_min``, ``eps``, ``adaptive_perturbation``, ``minimize_fp``,
   the keyword arguments of big_vision's ``gsam_gradient``), with rho from
   :func:`rho_schedule`. ``adaptive_perturbation=True`` is
-  ``adaptive="gsam"``: :math:`\epsilon = \rho |w| \odot g / (\|g\| + \varepsilon)`.
+  ``ascent=optax_gsam.adaptive_ascent("gsam", eps)``: :math:`\epsilon = \rho |w| \odot g / (\|g\| + \varepsilon)`.
 
   Put it first in the optimizer chain, ``optax.chain(gsam_from_config(...),
   tx)``, and call ``update(grads, opt_state, params, loss_fn=..., value=...)``
@@ -465,11 +466,12 @@ def gsam_from_config(
     "config.gsam.adaptive_perturbation", gsam_cfg.get("adaptive_perturbation", False)
   )
   minimize_fp = _as_flag("config.gsam.minimize_fp", gsam_cfg.get("minimize_fp", True))
+  eps = gsam_cfg.get("eps", 1e-12)
   return gsam(
     rho_schedule(config, total_steps, clamp=clamp),
     gsam_cfg["alpha"],
-    eps=gsam_cfg.get("eps", 1e-12),
-    adaptive="gsam" if adaptive_perturbation else None,
+    eps=eps,
+    ascent=adaptive_ascent("gsam", eps) if adaptive_perturbation else None,
     minimize_fp=minimize_fp,
     sync_perturbation=sync_perturbation,
     axis_name=axis_name,

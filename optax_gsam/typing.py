@@ -6,8 +6,9 @@ them can be annotated with the same ones:
 
 >>> import optax_gsam
 >>> from optax_gsam.typing import Adaptive
->>> def make_tx(adaptive: Adaptive = None):
-...   return optax_gsam.gsam(rho=0.05, alpha=0.3, adaptive=adaptive)
+>>> def make_tx(kind: Adaptive = None):
+...   ascent = None if kind is None else optax_gsam.adaptive_ascent(kind)
+...   return optax_gsam.gsam(rho=0.05, alpha=0.3, ascent=ascent)
 >>> tx = make_tx("asam")
 """
 
@@ -23,7 +24,8 @@ import optax
 __all__ = ("Adaptive", "AxisName", "DecideFn", "EmbedFn", "EmbeddingLossFn")
 
 Adaptive: TypeAlias = Literal["gsam", "asam"] | None
-"""Which adaptive perturbation ``gsam`` and ``sam`` use, ``"gsam"`` (the GSAM
+"""Which adaptive perturbation :func:`optax_gsam.adaptive_ascent` and
+:func:`optax_gsam.perturbation` use, ``"gsam"`` (the GSAM
 paper's ``|w|`` scaling) or ``"asam"`` (ASAM's), or ``None`` for the plain one."""
 
 AxisName: TypeAlias = Hashable | tuple[Hashable, ...] | None

@@ -1,9 +1,15 @@
-"""Float64 references of replicated GSAM with any ascent direction, from the papers' formulas.
+"""Float64 references of replicated GSAM and SAM with any ascent direction, from the formulas.
 
 Numpy only, with the problem's hand-written gradient: nothing here goes through
 the package or JAX's autodiff. A *replica* is a device or a micro-batch
 perturbed along its own gradient; :func:`reference_run` averages their outputs
 and their direction states, as per-device and per-micro-batch perturbation do.
+
+Everything the transform can vary is a parameter of :func:`reference_run`: the
+method (``alpha``: GSAM's weight, 0 for SAM), the direction, the number of
+ascent steps, the mask and the replicas. A new direction is one entry of
+:data:`DIRECTIONS`: its numpy formula and the ``gsam``/``sam`` keywords that
+select it; tests/test_ascent.py then checks it in every layout.
 """
 
 import jax.numpy as jnp
@@ -64,18 +70,23 @@ def vasso_dir(g, d, w):
   return d / np.linalg.norm(d), d
 
 
+# name -> (the numpy formula, the keywords of gsam/sam that select the direction).
 DIRECTIONS = {
   "sam": (sam_dir, dict()),
-  "gsam-adaptive": (gsam_adaptive_dir, dict(adaptive="gsam")),
-  "asam": (asam_dir, dict(adaptive="asam")),
-  "asam-as-ascent": (asam_dir, dict(ascent=optax_gsam.adaptive_ascent("asam"))),
+  "gsam-adaptive": (gsam_adaptive_dir, dict(ascent=optax_gsam.adaptive_ascent("gsam"))),
+  "asam": (asam_dir, dict(ascent=optax_gsam.adaptive_ascent("asam"))),
   "friendly": (friendly_dir, dict(ascent=optax_gsam.friendly_ascent(SIGMA, DECAY))),
   "vasso": (vasso_dir, dict(ascent=optax_gsam.vasso_ascent(THETA))),
 }
 
+# method -> alpha, the weight of GSAM's surrogate-gap term (SAM: g = g_p).
+METHODS = {"gsam": ALPHA, "sam": 0.0}
 
-def reference_output(w, x, t, direction, state, steps=1, mask=None):
+
+def reference_output(w, x, t, direction, state, steps=1, mask=None, alpha=ALPHA):
   """One replica's GSAM gradient (minimize_fp) after ``steps`` ascent steps, and its state.
+
+  ``alpha=0`` is SAM: the output is :math:`g_p`, the gradient at the perturbed point.
 
   The direction's state advances once, from the clean gradient; every ascent
   step applies the direction at the state of the step's start.
@@ -89,18 +100,24 @@ def reference_output(w, x, t, direction, state, steps=1, mask=None):
     epsilon = epsilon + RHO / steps * unit * mask
     g = grad_np(w + epsilon, x, t)
   g_p = g
-  return g_p - ALPHA * (g_c - g_c @ g_p / (g_p @ g_p) * g_p), next_state
+  if alpha == 0:
+    return g_p, next_state
+  return g_p - alpha * (g_c - g_c @ g_p / (g_p @ g_p) * g_p), next_state
 
 
-def reference_run(params, x, t, direction, steps=1, mask=None, shards=1, num_steps=3):
-  """``num_steps`` SGD steps of per-replica GSAM; the state is averaged over replicas."""
+def reference_run(params, x, t, direction, steps=1, mask=None, shards=1, num_steps=3, alpha=ALPHA):
+  """``num_steps`` SGD steps of per-replica GSAM (SAM at ``alpha=0``), states averaged.
+
+  ``shards`` replicas split the batch in equal parts (1: the whole batch);
+  ``mask`` is a 0/1 vector over the flat params (``None``: every entry).
+  """
   w, state = flat(params), np.zeros(flat(params).size)
   size = len(x) // shards
   for _ in range(num_steps):
     outs, states = [], []
     for i in range(shards):
       part = slice(i * size, (i + 1) * size)
-      out, new = reference_output(w, x[part], t[part], direction, state, steps, mask)
+      out, new = reference_output(w, x[part], t[part], direction, state, steps, mask, alpha)
       outs.append(out)
       states.append(new)
     state = np.mean(states, axis=0)

@@ -1,7 +1,10 @@
 """The ascent stage: every direction, the mask and n ascent steps against float64 references.
 
 The references are written from the papers' formulas in numpy float64, with the
-problem's hand-written gradient; nothing in them goes through the package.
+problem's hand-written gradient; nothing in them goes through the package. A
+direction is one entry of ``DIRECTIONS`` (tests/_ascent_reference.py); the table
+below checks each one with gsam and sam, masks, n ascent steps, micro-batches of
+both semantics and 8 devices.
 """
 
 import functools
@@ -14,6 +17,7 @@ import pytest
 from _ascent_reference import ALPHA
 from _ascent_reference import DIRECTIONS
 from _ascent_reference import LR
+from _ascent_reference import METHODS
 from _ascent_reference import NUM_DEVICES
 from _ascent_reference import RHO
 from _ascent_reference import THETA
@@ -35,53 +39,102 @@ def run_gsam(params, x, t, num_steps=3, **kwargs):
   return p, state
 
 
-@pytest.mark.parametrize("name", list(DIRECTIONS))
-@pytest.mark.parametrize("steps", [1, 3])
-def test_direction_matches_float64_reference(name, steps):
+# Every direction of the table is checked in every layout, with gsam and sam, masks and n
+# ascent steps, but not in their full product: on one device (eager, cheap) with both methods at
+# 1 and 3 ascent steps; in each compiled layout once, with 2 ascent steps, the method and the
+# kind of mask rotating over the directions so that each layout meets both methods and both
+# masks. The 8 devices perturb each of their micro-batches along its own gradient, which checks
+# per-device and per-micro-batch perturbation in one compiled program.
+K = 4  # micro-batches
+LAYOUTS = {
+  "one-device": dict(),
+  "microbatches": dict(microbatches=K),  # whole-batch semantics: the reference's one replica
+  "8-devices-per-microbatch": dict(axis_name="data", microbatches=2, perturb_each_microbatch=True),
+}
+REPLICAS = {"one-device": 1, "microbatches": 1, "8-devices-per-microbatch": 2 * NUM_DEVICES}
+MASKS = {  # the mask given to the transform, by kind; the reference's is MASK_VECTOR
+  "none": None,
+  "pytree": {"b": False, "w": True},
+  "function": lambda p: {"b": False, "w": True},
+}
+MASK_VECTOR = np.concatenate([np.zeros(3), np.ones(15)])  # "b" left out
+
+
+def _cases():
+  methods, masks = list(METHODS), list(MASKS)
+  for j, name in enumerate(DIRECTIONS):
+    for i, method in enumerate(methods):
+      for steps in (1, 3):
+        yield name, method, "one-device", steps, masks[(i + j + steps) % 3]
+    for i, layout in enumerate(list(LAYOUTS)[1:]):
+      yield name, methods[(i + j) % 2], layout, 2, masks[1 + (i + j) % 2]
+
+
+CASES = list(_cases())
+
+
+def run_layout(tx, layout, params, x, t, num_steps=3):
+  """``num_steps`` steps of ``tx`` in the layout: the caller's g_c, or the micro-batches' own."""
+  batch = (jnp.asarray(x), jnp.asarray(t))
+
+  def step(p, opt_state, batch):
+    loss_fn = lambda q, b=batch: loss_jax(q, *b)
+    if "microbatches" in LAYOUTS[layout]:
+      updates, opt_state = tx.update(
+        None, opt_state, p, loss_fn=lambda q, b: loss_jax(q, *b), batch=batch
+      )
+    else:
+      updates, opt_state = tx.update(jax.grad(loss_fn)(p), opt_state, p, loss_fn=loss_fn)
+    return optax.apply_updates(p, updates), opt_state
+
+  if layout.startswith("8-devices"):
+    step = optax_gsam.data_parallel(step, jax.make_mesh((NUM_DEVICES,), ("data",)))
+  elif layout != "one-device":
+    step = jax.jit(step)
+  p, state = jax.tree.map(jnp.asarray, params), tx.init(params)
+  for _ in range(num_steps):
+    p, state = step(p, state, batch)
+  return p, state
+
+
+@pytest.mark.parametrize("name, method, layout, steps, mask", CASES)
+def test_every_direction_matches_its_float64_reference(name, method, layout, steps, mask):
   direction, kwargs = DIRECTIONS[name]
+  kwargs = dict(kwargs, ascent_steps=steps, mask=MASKS[mask], **LAYOUTS[layout])
+  if method == "gsam":
+    transform = optax_gsam.gsam(RHO, ALPHA, **kwargs)
+  else:
+    transform = optax_gsam.sam(RHO, **kwargs)
+  tx = optax.chain(transform, optax.sgd(LR))
   with jax.enable_x64(True):
     params, x, t = make_data(1)
-    p, state = run_gsam(params, x, t, ascent_steps=steps, **kwargs)
-    np.testing.assert_allclose(flat(p), reference_run(params, x, t, direction, steps), rtol=1e-11)
-    assert int(state[0].gradient_evaluations) == 3 * steps
-
-
-@pytest.mark.parametrize("name", ["sam", "asam", "friendly"])
-def test_mask_perturbs_only_the_selected_leaves(name):
-  direction, kwargs = DIRECTIONS[name]
-  with jax.enable_x64(True):
-    params, x, t = make_data(2)
-    mask_vec = np.concatenate([np.zeros(3), np.ones(15)])  # "b" left out
-    expected = reference_run(params, x, t, direction, mask=mask_vec)
-    for mask in ({"b": False, "w": True}, lambda p: {"b": False, "w": True}):
-      p, _ = run_gsam(params, x, t, mask=mask, **kwargs)
-      np.testing.assert_allclose(flat(p), expected, rtol=1e-11)
-
-
-@pytest.mark.parametrize("name", ["sam", "friendly", "vasso"])
-def test_per_device_directions_with_a_mask_match_the_reference(name):
-  """Per-device perturbation on 8 devices: each device's own direction, states averaged."""
-  direction, kwargs = DIRECTIONS[name]
-  mesh = jax.make_mesh((NUM_DEVICES,), ("data",))
-  with jax.enable_x64(True):
-    params, x, t = make_data(3)
-    mask = {"b": False, "w": True}
-    tx = optax.chain(
-      optax_gsam.gsam(RHO, ALPHA, axis_name="data", mask=mask, **kwargs), optax.sgd(LR)
+    p, state = run_layout(tx, layout, params, x, t)
+    expected = reference_run(
+      params,
+      x,
+      t,
+      direction,
+      steps,
+      mask=None if mask == "none" else MASK_VECTOR,
+      shards=REPLICAS[layout],
+      alpha=METHODS[method],
     )
-
-    def step(p, opt_state, batch):
-      loss_fn = lambda q: loss_jax(q, *batch)
-      updates, opt_state = tx.update(jax.grad(loss_fn)(p), opt_state, p, loss_fn=loss_fn)
-      return optax.apply_updates(p, updates), opt_state
-
-    step = optax_gsam.data_parallel(step, mesh)
-    p, state = jax.tree.map(jnp.asarray, params), tx.init(params)
-    for _ in range(3):
-      p, state = step(p, state, (jnp.asarray(x), jnp.asarray(t)))
-    mask_vec = np.concatenate([np.zeros(3), np.ones(15)])
-    expected = reference_run(params, x, t, direction, mask=mask_vec, shards=NUM_DEVICES)
     np.testing.assert_allclose(flat(p), expected, rtol=1e-10)
+    accumulated = 1 if "microbatches" in LAYOUTS[layout] else 0  # the clean pass, by the transform
+    assert np.all(np.asarray(state[0].gradient_evaluations) == 3 * (steps + accumulated))
+
+
+def test_the_table_meets_every_layout_method_and_mask():
+  """The design above, checked: a direction added to the table gets all of them."""
+  for name in DIRECTIONS:
+    rows = [case for case in CASES if case[0] == name]
+    assert {case[2] for case in rows} == set(LAYOUTS)
+    assert {case[1] for case in rows if case[2] == "one-device"} == set(METHODS)
+    assert {case[3] for case in rows} == {1, 2, 3}
+    assert {case[4] for case in rows} == set(MASKS)
+  for layout in LAYOUTS:
+    assert {case[1] for case in CASES if case[2] == layout} == set(METHODS)
+    assert len({case[4] for case in CASES if case[2] == layout}) >= 2
 
 
 @pytest.mark.parametrize("mask", [None, {"b": True, "w": False}])
@@ -107,7 +160,9 @@ def test_direction_state_is_kept_on_cheap_and_non_finite_steps():
   params, x, t = make_data(5)
   params = jax.tree.map(lambda v: jnp.asarray(v, jnp.float32), params)
   loss_fn = lambda p: loss_jax(p, jnp.asarray(x, jnp.float32), jnp.asarray(t, jnp.float32))
-  tx = optax_gsam.sam(RHO, ascent=optax_gsam.vasso_ascent(THETA), perturb_every=2)
+  tx = optax_gsam.sam(
+    RHO, ascent=optax_gsam.vasso_ascent(THETA), policy=optax_gsam.every_k_policy(2)
+  )
   state = tx.init(params)
   grads = jax.grad(loss_fn)(params)
   _, full = tx.update(grads, state, params, loss_fn=loss_fn)  # count 0: full
@@ -133,7 +188,6 @@ def test_a_new_direction_is_an_optax_transformation():
   "kwargs, match",
   [
     (dict(ascent="sam"), "ascent must be an optax.GradientTransformation"),
-    (dict(ascent=optax_gsam.normalized_ascent(), adaptive="gsam"), "adaptive and ascent"),
     (dict(ascent_steps=0), "ascent_steps"),
     (dict(mask={"w": jnp.asarray(True)}), "mask must be a pytree of Python bools"),
     (dict(mask={"b": False, "w": False}), "mask selects no leaf"),

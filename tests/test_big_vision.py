@@ -530,7 +530,7 @@ def test_gsam_from_config_matches_hand_built_transform():
   by_hand = optax_gsam.gsam(
     optax_gsam.rho_from_lr(lr, 0.6, 0.1, num_steps=total_steps),
     0.6,
-    adaptive="gsam",
+    ascent=optax_gsam.adaptive_ascent("gsam"),
     minimize_fp=False,
   )
   ours = big_vision.gsam_from_config(ml_collections.ConfigDict(config), total_steps)

@@ -31,12 +31,14 @@ def gsam_states(tree):
 
 CHECKPOINTED = {
   "perturb_every": lambda: optax.chain(
-    optax_gsam.gsam(RHO, 0.3, perturb_every=3, reuse_weight=optax.linear_schedule(0.9, 0.3, 8)),
+    optax_gsam.gsam(
+      RHO, 0.3, policy=optax_gsam.every_k_policy(3, reuse_weight=optax.linear_schedule(0.9, 0.3, 8))
+    ),
     optax.sgd(LR),
   ),
   "inject_hyperparams": lambda: optax.chain(
-    optax.inject_hyperparams(optax_gsam.gsam, static_args=("perturb_every",))(
-      rho=RHO, alpha=0.3, perturb_every=2
+    optax.inject_hyperparams(optax_gsam.gsam)(
+      rho=RHO, alpha=0.3, policy=optax_gsam.every_k_policy(2)
     ),
     optax.sgd(LR),
   ),
@@ -46,10 +48,10 @@ CHECKPOINTED = {
     optax.adamw(LR, weight_decay=0.1),
   ),
   "apply_if_finite": lambda: optax.apply_if_finite(
-    optax.chain(optax_gsam.gsam(RHO, 0.3, perturb_every=2), optax.adamw(LR)), 3
+    optax.chain(optax_gsam.gsam(RHO, 0.3, policy=optax_gsam.every_k_policy(2)), optax.adamw(LR)), 3
   ),
   "bfloat16_mixed": lambda: optax.chain(
-    optax_gsam.gsam(RHO, 0.3, perturb_every=2), optax.sgd(LR, momentum=0.9)
+    optax_gsam.gsam(RHO, 0.3, policy=optax_gsam.every_k_policy(2)), optax.sgd(LR, momentum=0.9)
   ),
 }
 

@@ -18,7 +18,10 @@ EPS = 1e-12
 def test_same_inputs_give_bitwise_identical_outputs():
   params, loss_fn = float32_problem(seed=8)
   tx = optax.chain(
-    optax_gsam.gsam(RHO, 0.3, adaptive="asam", perturb_every=2), optax.adamw(LR, weight_decay=0.1)
+    optax_gsam.gsam(
+      RHO, 0.3, ascent=optax_gsam.adaptive_ascent("asam"), policy=optax_gsam.every_k_policy(2)
+    ),
+    optax.adamw(LR, weight_decay=0.1),
   )
 
   def step(p, s):

@@ -182,13 +182,16 @@ def test_vmap_emulation_equals_shard_map(mesh, sync):
   )
 
 
-@pytest.mark.parametrize("perturb_every", [None, 3])
-def test_sequential_groups_equal_per_device_shard_map(mesh, perturb_every):
+@pytest.mark.parametrize("k", [None, 3])
+def test_sequential_groups_equal_per_device_shard_map(mesh, k):
   params, x, t = make_data(5)
-  sharded_tx = make_tx(False, perturb_every=perturb_every)
+  policy = None if k is None else optax_gsam.every_k_policy(k)
+  sharded_tx = make_tx(False, policy=policy)
   sharded = optax_gsam.data_parallel(functools.partial(per_device_step, sharded_tx), mesh)
   grouped_tx = optax.chain(
-    optax_gsam.gsam(RHO, ALPHA, num_groups=NUM_DEVICES, perturb_every=perturb_every),
+    optax_gsam.gsam(
+      RHO, ALPHA, microbatches=NUM_DEVICES, perturb_each_microbatch=True, policy=policy
+    ),
     optax.sgd(LR),
   )
   x32, t32 = jnp.asarray(x, jnp.float32), jnp.asarray(t, jnp.float32)
@@ -243,10 +246,12 @@ def test_helper_argument_errors():
     optax_gsam.emulate_devices(lambda *a: a, 0)
   with pytest.raises(ValueError, match="not divisible"):
     optax_gsam.emulate_devices(lambda p, s, b: (p, s), 3)(0.0, 0.0, jnp.ones((4, 2)))
-  with pytest.raises(ValueError, match="num_groups"):
-    optax_gsam.gsam(0.1, num_groups=2, axis_name="data", sync_perturbation=True)
-  with pytest.raises(ValueError, match="num_groups"):
-    optax_gsam.gsam(0.1, num_groups=0)
+  with pytest.raises(ValueError, match=r"perturb_each_microbatch=True.*sync_perturbation"):
+    optax_gsam.gsam(
+      0.1, microbatches=2, perturb_each_microbatch=True, axis_name="data", sync_perturbation=True
+    )
+  with pytest.raises(ValueError, match="microbatches"):
+    optax_gsam.gsam(0.1, microbatches=0, perturb_each_microbatch=True)
 
 
 def test_update_under_pmap_without_axis_name_raises_naming_the_axis():

@@ -25,7 +25,7 @@ def scaled_by_group(loss_fn, params, group):
 
 def test_bfloat16_and_mixed_trees_keep_dtypes_on_cheap_and_grouped_steps():
   params, loss_fn = float32_problem(seed=10)
-  tx = optax_gsam.gsam(RHO, 0.3, perturb_every=2)
+  tx = optax_gsam.gsam(RHO, 0.3, policy=optax_gsam.every_k_policy(2))
   for p in (jax.tree.map(lambda x: x.astype(jnp.bfloat16), params), mixed_params(params)):
     f32_loss = functools.partial(in_float32, loss_fn)
     dtypes = jax.tree.map(lambda x: x.dtype, p)
@@ -43,7 +43,7 @@ def test_bfloat16_and_mixed_trees_keep_dtypes_on_cheap_and_grouped_steps():
         "perturbed_grad_norm",
       ):
         assert getattr(state, name).dtype == jnp.float32, name
-    grouped = optax_gsam.gsam(0.1, 0.3, num_groups=2)
+    grouped = optax_gsam.gsam(0.1, 0.3, microbatches=2, perturb_each_microbatch=True)
     group_loss = functools.partial(scaled_by_group, f32_loss)
     zeros = optax.tree.zeros_like(p)
     updates, _ = jax.jit(functools.partial(grouped.update, loss_fn=group_loss))(
@@ -72,7 +72,7 @@ def test_norms_of_bfloat16_gradients_are_accumulated_in_float32():
 def test_float32_params_stay_float32_with_x64_enabled():
   params, loss_fn = float32_problem(seed=11)
   with jax.enable_x64(True):
-    tx = optax.chain(optax_gsam.gsam(0.1, 0.3, perturb_every=2), optax.sgd(0.1))
+    tx = optax.chain(optax_gsam.gsam(0.1, 0.3, policy=optax_gsam.every_k_policy(2)), optax.sgd(0.1))
     update = jax.jit(lambda s: tx.update(jax.grad(loss_fn)(params), s, params, loss_fn=loss_fn))
     updates, state = update(tx.init(params))
     leaves = jax.tree.leaves((updates, state))

@@ -1,4 +1,4 @@
-"""perturb_every (LookSAM-style cheap steps) against an independent reference."""
+"""every_k_policy (LookSAM-style cheap steps) against an independent reference."""
 
 import functools
 
@@ -88,17 +88,7 @@ def _every_k_tx(case, rho, weight, lr):
     max_amplification=case["max_amp"],
     reuse_steps=case["reuse_steps"],
   )
-  defaults = (case["scale"], case["max_amp"], case["reuse_steps"])
-  if defaults == ("relative", DEFAULT_AMP, DEFAULT_STEPS):  # the shorthand's defaults
-    gsam = optax_gsam.gsam(
-      rho,
-      case["alpha"],
-      minimize_fp=case["minimize_fp"],
-      perturb_every=case["k"],
-      reuse_weight=weight,
-    )
-  else:
-    gsam = optax_gsam.gsam(rho, case["alpha"], minimize_fp=case["minimize_fp"], policy=policy)
+  gsam = optax_gsam.gsam(rho, case["alpha"], minimize_fp=case["minimize_fp"], policy=policy)
   return optax.chain(gsam, optax.sgd(lr))
 
 
@@ -148,7 +138,7 @@ def test_perturbed_gradient_runs_only_on_every_kth_step():
     jax.debug.callback(lambda: calls.append(1))
     return loss_jax(q)
 
-  tx = optax.chain(optax_gsam.gsam(0.1, 0.3, perturb_every=4), optax.sgd(0.1))
+  tx = optax.chain(optax_gsam.gsam(0.1, 0.3, policy=optax_gsam.every_k_policy(4)), optax.sgd(0.1))
 
   @jax.jit
   def step(p, state):
@@ -167,6 +157,9 @@ def test_perturbed_gradient_runs_only_on_every_kth_step():
   assert "cond[" in str(jax.make_jaxpr(step)(p, state))
 
 
+@pytest.mark.filterwarnings(
+  "ignore:optax_gsam.*deprecated keyword:DeprecationWarning"
+)  # the alias, on purpose
 def test_perturb_every_one_is_bitwise_the_plain_transform():
   params, loss_jax, _, _ = make_problem(seed=13)
   results = []
@@ -189,10 +182,14 @@ def test_sync_mode_on_a_mesh_equals_single_device_cheap_gsam(data_mesh):
   y = jnp.asarray(rng.normal(size=(32, 3)), jnp.float32)
   loss = lambda q, xs, ys: jnp.mean((jnp.tanh(xs @ q["w"] + q["b"]) - ys) ** 2)
   sharded_tx = optax.chain(
-    optax_gsam.gsam(0.2, 0.3, axis_name="data", sync_perturbation=True, perturb_every=2),
+    optax_gsam.gsam(
+      0.2, 0.3, axis_name="data", sync_perturbation=True, policy=optax_gsam.every_k_policy(2)
+    ),
     optax.sgd(0.2),
   )
-  single_tx = optax.chain(optax_gsam.gsam(0.2, 0.3, perturb_every=2), optax.sgd(0.2))
+  single_tx = optax.chain(
+    optax_gsam.gsam(0.2, 0.3, policy=optax_gsam.every_k_policy(2)), optax.sgd(0.2)
+  )
 
   def device_step(p, s, batch):
     loss_fn = functools.partial(loss, xs=batch[0], ys=batch[1])
@@ -212,7 +209,7 @@ def test_sync_mode_on_a_mesh_equals_single_device_cheap_gsam(data_mesh):
 
 def test_non_finite_step_keeps_the_stored_direction():
   p, loss_jax = float32_problem(seed=15)
-  tx = optax_gsam.gsam(0.1, 0.3, perturb_every=2)
+  tx = optax_gsam.gsam(0.1, 0.3, policy=optax_gsam.every_k_policy(2))
   state = tx.init(p)
   _, state = tx.update(jax.grad(loss_jax)(p), state, p, loss_fn=loss_jax)
   _, state = tx.update(jax.grad(loss_jax)(p), state, p, loss_fn=loss_jax)
@@ -224,6 +221,9 @@ def test_non_finite_step_keeps_the_stored_direction():
   assert int(state.count) == 2  # a non-finite output does not count
 
 
+@pytest.mark.filterwarnings(
+  "ignore:optax_gsam.*deprecated keyword:DeprecationWarning"
+)  # the alias, on purpose
 def test_perturb_every_under_inject_hyperparams_as_a_static_arg():
   tx = optax.inject_hyperparams(optax_gsam.gsam, static_args=("perturb_every",))(
     rho=0.1, alpha=0.2, perturb_every=2
@@ -238,7 +238,7 @@ def test_perturb_every_under_inject_hyperparams_as_a_static_arg():
 
 def test_static_perturb_override_equals_the_cond_schedule():
   p0, loss_jax = float32_problem(seed=16)
-  tx = optax.chain(optax_gsam.gsam(0.1, 0.3, perturb_every=3), optax.sgd(0.1))
+  tx = optax.chain(optax_gsam.gsam(0.1, 0.3, policy=optax_gsam.every_k_policy(3)), optax.sgd(0.1))
 
   def step(p, state, perturb=None):
     updates, state = tx.update(jax.grad(loss_jax)(p), state, p, loss_fn=loss_jax, perturb=perturb)
@@ -262,14 +262,14 @@ def test_static_perturb_override_equals_the_cond_schedule():
   with pytest.raises(ValueError, match="perturb"):
     tx.update(jax.grad(loss_jax)(p0), tx.init(p0), p0, loss_fn=loss_jax, perturb=jnp.bool_(True))
   plain = optax_gsam.gsam(0.1)
-  with pytest.raises(ValueError, match="perturb_every"):
+  with pytest.raises(ValueError, match="every_k_policy"):
     plain.update(jax.grad(loss_jax)(p0), plain.init(p0), p0, loss_fn=loss_jax, perturb=False)
 
 
 def test_sam_takes_the_cheap_step_options_too():
   p, loss_jax = float32_problem(seed=17)
-  looksam = optax_gsam.sam(0.1, perturb_every=2, reuse_weight=0.5)
-  same = optax_gsam.gsam(0.1, 0.0, perturb_every=2, reuse_weight=0.5)
+  looksam = optax_gsam.sam(0.1, policy=optax_gsam.every_k_policy(2, reuse_weight=0.5))
+  same = optax_gsam.gsam(0.1, 0.0, policy=optax_gsam.every_k_policy(2, reuse_weight=0.5))
   sa, sb = looksam.init(p), same.init(p)
   for _ in range(3):
     ua, sa = looksam.update(jax.grad(loss_jax)(p), sa, p, loss_fn=loss_jax)

@@ -24,14 +24,14 @@ EPS = 1e-12
 BAD_STEPS = ["nan_clean_grad", "inf_clean_grad", "nan_perturbed_loss", "inf_perturbed_loss"]
 
 
-@pytest.mark.parametrize("perturb_every", [None, 2])
-def test_non_finite_step_does_not_corrupt_the_state(perturb_every):
+@pytest.mark.parametrize("k", [None, 2])
+def test_non_finite_step_does_not_corrupt_the_state(k):
   """After a bad step, the next output is that of a state which skipped it.
 
   A non-finite output does not advance the count; a finite one (an Inf perturbed loss with
   finite gradients) does, as the optimizer after the transform applies it."""
   p, loss_fn = float32_problem(seed=4)
-  tx = optax_gsam.gsam(RHO, 0.3, perturb_every=perturb_every)
+  tx = optax_gsam.gsam(RHO, 0.3, policy=k and optax_gsam.every_k_policy(k))
 
   @jax.jit
   def update(state, clean_scale, loss_scale, loss_shift):
@@ -58,13 +58,13 @@ def test_non_finite_step_does_not_corrupt_the_state(perturb_every):
       count=after_bad.count, gradient_evaluations=after_bad.gradient_evaluations
     )
     assert all_finite((after_bad.count, after_bad.last_rho, after_bad.stored_direction)), kind
-    if perturb_every:
+    if k:
       assert_trees_equal(after_bad.stored_direction, state.stored_direction)
     out_bad, next_bad = update(after_bad, *good)
     out_skip, next_skip = update(skipped, *good)
     assert all_finite(out_bad), kind
     assert_trees_equal(out_bad, out_skip)
-    if perturb_every:  # a cheap step keeps the last full step's diagnostics: compare the rest
+    if k:  # a cheap step keeps the last full step's diagnostics: compare the rest
       next_bad = next_bad._replace(perturbed_loss=0, surrogate_gap=0, cosine=0)
       next_skip = next_skip._replace(perturbed_loss=0, surrogate_gap=0, cosine=0)
       next_bad = next_bad._replace(clean_grad_norm=0, perturbed_grad_norm=0)
@@ -102,7 +102,7 @@ def run(step, start, steps, bad_step=-1):
 def test_apply_if_finite_skips_a_non_finite_clean_gradient():
   p, loss_fn = float32_problem(seed=5)
   inner = optax.chain(
-    optax_gsam.gsam(RHO, 0.3, perturb_every=2),
+    optax_gsam.gsam(RHO, 0.3, policy=optax_gsam.every_k_policy(2)),
     optax.clip_by_global_norm(1.0),
     optax.adamw(LR, weight_decay=1e-2),
   )

@@ -67,14 +67,15 @@ def test_inside_inject_hyperparams_and_apply_if_finite_is_still_first():
 
 def test_rho_under_inject_hyperparams_is_the_value_used_at_the_last_step():
   """Before GSAMState.rho became last_rho, two leaves were named rho and optax.tree.get raised."""
-  injected = optax.inject_hyperparams(optax_gsam.gsam, static_args=("perturb_every",))
-  tx = optax.chain(injected(rho=0.1, alpha=0.3, perturb_every=2), optax.sgd(0.1))
+  injected = optax.inject_hyperparams(optax_gsam.gsam)
+  every_2 = optax_gsam.every_k_policy(2)
+  tx = optax.chain(injected(rho=0.1, alpha=0.3, policy=every_2), optax.sgd(0.1))
   state = tx.init(W)
   _, state = tx.update(jax.grad(LOSS)(W), state, W, loss_fn=LOSS)
   assert float(optax.tree.get(state, "rho")) == pytest.approx(0.1)
   # A scheduled rho: optax keeps the schedule's own state under "rho" too; keep the array.
   schedule = optax.linear_schedule(0.2, 0.0, 10)
-  tx = optax.chain(injected(rho=schedule, alpha=0.3, perturb_every=2), optax.sgd(0.1))
+  tx = optax.chain(injected(rho=schedule, alpha=0.3, policy=every_2), optax.sgd(0.1))
   state = tx.init(W)
   step = jax.jit(lambda w, s: tx.update(jax.grad(LOSS)(w), s, w, loss_fn=LOSS))
   is_array = lambda path, value: isinstance(value, jax.Array)

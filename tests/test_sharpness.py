@@ -20,6 +20,11 @@ import optax_gsam
 EPS = 1e-12
 
 
+def ascent_of(adaptive):
+  """The direction of the reference's ``adaptive``: None (SAM's), "gsam" or "asam"."""
+  return None if adaptive is None else optax_gsam.adaptive_ascent(adaptive)
+
+
 def reference_gsam_direction(w, g_c, grad_np, rho, alpha, adaptive, minimize_fp, like):
   """The GSAM update direction, written from the paper's formulas (numpy, float64)."""
   if adaptive is None:
@@ -51,7 +56,7 @@ def test_gsam_matches_float64_reference_over_steps(case):
     rho = rho_fn if case["scheduled"] else 0.2
     tx = optax.chain(
       optax_gsam.gsam(
-        rho, case["alpha"], adaptive=case["adaptive"], minimize_fp=case["minimize_fp"]
+        rho, case["alpha"], ascent=ascent_of(case["adaptive"]), minimize_fp=case["minimize_fp"]
       ),
       optax.sgd(lr),
     )
@@ -222,7 +227,7 @@ def test_bfloat16_params_keep_dtype_and_agree_with_float32():
   for dtype in (jnp.float32, jnp.bfloat16):
     p = jax.tree.map(lambda x, dtype=dtype: jnp.asarray(x, dtype), params)
     grads = jax.grad(loss_jax)(p)
-    tx = optax_gsam.gsam(0.1, 0.4, adaptive="gsam")
+    tx = optax_gsam.gsam(0.1, 0.4, ascent=optax_gsam.adaptive_ascent("gsam"))
     out[dtype], state = tx.update(grads, tx.init(p), p, loss_fn=loss_jax)
     assert all(x.dtype == dtype for x in jax.tree.leaves(out[dtype]))
     assert state.cosine.dtype == jnp.float32
@@ -245,7 +250,7 @@ def test_mixed_dtype_tree():
 def test_zero_gradient_gives_finite_zero_update(adaptive, minimize_fp):
   p = {"w": jnp.ones((3, 2)), "b": jnp.zeros(2)}
   loss_fn = lambda q: 0.0 * jnp.sum(q["w"]) + 3.0
-  tx = optax_gsam.gsam(0.1, 0.5, adaptive=adaptive, minimize_fp=minimize_fp)
+  tx = optax_gsam.gsam(0.1, 0.5, ascent=ascent_of(adaptive), minimize_fp=minimize_fp)
   updates, state = tx.update(jax.grad(loss_fn)(p), tx.init(p), p, loss_fn=loss_fn, value=3.0)
   for leaf in jax.tree.leaves(updates):
     np.testing.assert_array_equal(leaf, 0.0)
@@ -280,7 +285,9 @@ class UpdateVariantsTest(chex.TestCase):
   @chex.variants(with_jit=True, without_jit=True)
   def test_update_is_the_same_with_and_without_jit(self):
     p, loss_jax = float32_problem(seed=9)
-    tx = optax_gsam.gsam(optax.linear_schedule(0.0, 0.2, 4), 0.3, perturb_every=2)
+    tx = optax_gsam.gsam(
+      optax.linear_schedule(0.0, 0.2, 4), 0.3, policy=optax_gsam.every_k_policy(2)
+    )
     update = self.variant(lambda g, s, q: tx.update(g, s, q, loss_fn=loss_jax))
     state, reference_state = tx.init(p), tx.init(p)
     for _ in range(3):
@@ -321,7 +328,7 @@ def test_zero_tiny_and_huge_gradients_give_finite_correct_outputs(adaptive, mini
   c64 = {k: rng.normal(size=s) for k, s in shapes.items()}
   d64 = {k: rng.uniform(0.5, 1.5, size=s) for k, s in shapes.items()}
   w, c, d = (jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), t) for t in (w64, c64, d64))
-  tx = optax_gsam.gsam(0.1, 0.4, adaptive=adaptive, minimize_fp=minimize_fp)
+  tx = optax_gsam.gsam(0.1, 0.4, ascent=ascent_of(adaptive), minimize_fp=minimize_fp)
 
   @jax.jit
   def update(scale):

@@ -76,8 +76,9 @@ class Problem:
     return self.grad(w + e)
 
 
-def gsam_output(problem, rho, alpha, **kwargs):
-  tx = optax_gsam.gsam(rho, alpha, **kwargs)
+def gsam_output(problem, rho, alpha, adaptive=None, **kwargs):
+  ascent = None if adaptive is None else optax_gsam.adaptive_ascent(adaptive)
+  tx = optax_gsam.gsam(rho, alpha, ascent=ascent, **kwargs)
   p = problem.params
   updates, _ = tx.update(jax.grad(problem.loss)(p), tx.init(p), p, loss_fn=problem.loss)
   assert jax.tree.structure(updates) == jax.tree.structure(p)

@@ -159,7 +159,7 @@ def test_momentum_sam_with_an_unusable_rho_value_takes_the_clean_gradient():
 
 def test_an_unusable_rho_under_a_cheap_policy_counts_as_a_fallback():
   w, loss_fn = _quadratic()
-  tx = optax_gsam.gsam(_scheduled(jnp.nan), ALPHA, perturb_every=2)
+  tx = optax_gsam.gsam(_scheduled(jnp.nan), ALPHA, policy=optax_gsam.every_k_policy(2))
   state = tx.init(w)
   for t in range(5):
     grads = jax.grad(loss_fn)(w)
@@ -188,7 +188,7 @@ def test_an_integer_params_leaf_is_named_with_the_fix(make_tx):
   "make_tx",
   [
     lambda: optax_gsam.gsam(RHO, ALPHA),
-    lambda: optax_gsam.sam(RHO, perturb_every=2),
+    lambda: optax_gsam.sam(RHO, policy=optax_gsam.every_k_policy(2)),
     lambda: optax_gsam.momentum_sam(RHO),
   ],
   ids=["gsam", "sam_every_2", "momentum_sam"],

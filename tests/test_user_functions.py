@@ -21,7 +21,9 @@ def test_missing_loss_function_is_clear_through_wrappers_and_groups():
   wrapped = optax.apply_if_finite(optax.chain(optax_gsam.gsam(0.1, 0.3), optax.sgd(0.1)), 2)
   with pytest.raises(ValueError, match=state_error):
     wrapped.update(p, wrapped.init(p), p)
-  grouped = optax_gsam.gsam(0.1, 0.3, num_groups=2, perturb_every=2)
+  grouped = optax_gsam.gsam(
+    0.1, 0.3, microbatches=2, perturb_each_microbatch=True, policy=optax_gsam.every_k_policy(2)
+  )
   with pytest.raises(ValueError, match=state_error):
     grouped.update(p, grouped.init(p), p)
   state = TrainState.create(
@@ -50,7 +52,9 @@ def test_loss_fn_returning_loss_and_aux_equals_the_scalar_loss(container, num_gr
   else:
     scalar = loss_jax
   with_aux = lambda *args: container([scalar(*args), {"logits": jnp.ones(3), "n": 7}])
-  tx = optax_gsam.gsam(0.1, 0.3, num_groups=num_groups)
+  tx = optax_gsam.gsam(
+    0.1, 0.3, microbatches=num_groups, perturb_each_microbatch=num_groups is not None
+  )
   grads = jax.grad(loss_jax)(p)
   expected, expected_state = jax.jit(lambda g: tx.update(g, tx.init(p), p, loss_fn=scalar))(grads)
   got, state = jax.jit(lambda g: tx.update(g, tx.init(p), p, loss_fn=with_aux))(grads)
@@ -103,7 +107,7 @@ def ignoring_transforms():
     "gsam": optax_gsam.gsam(0.1, 0.3),
     "sam": optax_gsam.sam(0.1),
     "momentum_sam": optax_gsam.momentum_sam(0.1),
-    "num_groups": optax_gsam.gsam(0.1, 0.3, num_groups=2),
+    "num_groups": optax_gsam.gsam(0.1, 0.3, microbatches=2, perturb_each_microbatch=True),
   }
 
 
@@ -130,7 +134,7 @@ def test_valid_loss_functions_are_not_rejected():
   assert float(state.perturbed_grad_norm) > 0
   np.testing.assert_array_equal(updates["unused"], 0.0)
   # with (loss, aux), per group, and through jit
-  grouped = optax_gsam.gsam(0.1, 0.3, num_groups=2)
+  grouped = optax_gsam.gsam(0.1, 0.3, microbatches=2, perturb_each_microbatch=True)
   with_group = lambda q, group: (partial(q) * (1.0 + group), {"group": group})
   jax.jit(lambda g: grouped.update(g, grouped.init(float_p), float_p, loss_fn=with_group))(float_g)
   # value_and_grad_fn computes its own gradient and is not inspected (a constant value is fine).

@@ -273,6 +273,8 @@ TABLES = {
 CASES = [(factory, name) for factory, table in TABLES.items() for name in table]
 
 
+# Some rows give the deprecated keywords bad values on purpose: the aliases are validated too.
+@pytest.mark.filterwarnings("ignore:optax_gsam.*deprecated keyword:DeprecationWarning")
 @pytest.mark.parametrize("factory,name", CASES, ids=[f"{f}-{n}" for f, n in CASES])
 def test_bad_construction_names_argument_and_allowed_values(factory, name):
   build, match = TABLES[factory][name]
@@ -302,7 +304,7 @@ def test_gsam_update_rejects_leaf_shape_mismatch_naming_the_leaf():
 
 
 def test_gsam_update_rejects_state_of_other_params():
-  tx = optax_gsam.gsam(0.1, 0.3, perturb_every=2)
+  tx = optax_gsam.gsam(0.1, 0.3, policy=optax_gsam.every_k_policy(2))
   stale = tx.init({"w": jnp.ones(3)})
   p = {"w": jnp.ones(4)}
   with pytest.raises(ValueError, match=r"initialised for other params.*tx.init\(params\)"):

@@ -272,7 +272,7 @@ def vasso_ascent(theta: float = 0.4, *, eps: float = 1e-12) -> optax.GradientTra
 def ascent_from_adaptive(
   adaptive: Adaptive, eps: float | jax.Array
 ) -> optax.GradientTransformation:
-  """The direction that ``gsam(adaptive=...)`` names."""
+  """The direction of ``gsam(ascent=None)``: the default, or the one the deprecated ``adaptive`` names."""
   return normalized_ascent(eps) if adaptive is None else adaptive_ascent(adaptive, eps)
 
 

@@ -189,9 +189,10 @@ def emulate_devices(
 
   Memory: ``vmap`` holds every group's activations and gradients at once, so
   peak memory is about that of the whole batch plus ``num_devices`` gradient
-  copies. When that is too much, use ``gsam(..., num_groups=G)``, which scans
-  over the groups sequentially with one group's memory. The ``lax.cond`` of
-  ``perturb_every > 1`` stays a conditional here, since the optimizer state
+  copies. When that is too much, use ``gsam(..., microbatches=G,
+  perturb_each_microbatch=True)``, which scans over the groups sequentially
+  with one group's memory. The ``lax.cond`` of a cheap-step policy (e.g.
+  ``every_k_policy(k)``) stays a conditional here, since the optimizer state
   (its predicate) is not batched.
 
   All outputs must be the same on every group (average metrics with

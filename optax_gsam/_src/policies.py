@@ -221,8 +221,9 @@ def every_k_policy(
   step later and 0.1 two to four steps later; every 10 reusing all nine cheap
   steps lost 5 to 18 points to the base optimizer, reusing two lost none.
 
-  ``gsam(..., perturb_every=k, reuse_weight=w)`` is this policy with the
-  default ``reuse_scale``, ``max_amplification`` and ``reuse_steps``.
+  Give it to :func:`optax_gsam.gsam` or :func:`optax_gsam.sam` as ``policy=``
+  (the deprecated ``perturb_every=k, reuse_weight=w`` is this policy with the
+  default ``reuse_scale``, ``max_amplification`` and ``reuse_steps``).
 
   Args:
     k: the period, an int >= 1.

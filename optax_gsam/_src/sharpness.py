@@ -2,8 +2,9 @@
 
 ``update`` runs the stages of :mod:`optax_gsam._src.step` in order:
 hyperparameters at the step, the policy's choice, the full or cheap step of
-each replica, the reduction over ``axis_name`` or ``num_groups``, and the new
-state.
+each replica, the reduction over ``axis_name`` or the micro-batches, and the
+new state. The arguments' checks and deprecated aliases are in
+:mod:`optax_gsam._src.gsam_arguments`.
 """
 
 from __future__ import annotations
@@ -18,29 +19,22 @@ import jax.numpy as jnp
 import optax
 
 from optax_gsam._src import microbatch_state as micro
-from optax_gsam._src import perturbation as pert
 from optax_gsam._src import step
 from optax_gsam._src.arrays import numbers_as_arrays
-from optax_gsam._src.ascent_checks import check_ascent
 from optax_gsam._src.ascent_checks import check_direction
+from optax_gsam._src.gsam_arguments import check_call_arguments
+from optax_gsam._src.gsam_arguments import check_update
+from optax_gsam._src.gsam_arguments import microbatch_settings
+from optax_gsam._src.gsam_arguments import validated
+from optax_gsam._src.gsam_arguments import warn_deprecated
 from optax_gsam._src.placement import check_not_in_multisteps
-from optax_gsam._src.placement import check_not_masked
 from optax_gsam._src.placement import check_placement
 from optax_gsam._src.policies import SharpnessPolicy
 from optax_gsam._src.policies import keep_unless_counted
 from optax_gsam._src.policies import policy_from_arguments
-from optax_gsam._src.user_functions import check_extra_args
 from optax_gsam._src.user_functions import scalar_loss
-from optax_gsam._src.validation import check_axis_name
-from optax_gsam._src.validation import check_data_axis_is_set
-from optax_gsam._src.validation import check_non_negative
-from optax_gsam._src.validation import check_positive
-from optax_gsam._src.validation import check_positive_int
-from optax_gsam._src.validation import check_update_inputs
 from optax_gsam.typing import Adaptive
 from optax_gsam.typing import AxisName
-
-ON_NONFINITE_CHOICES = ("propagate", "clean")
 
 
 class GSAMState(NamedTuple):
@@ -81,7 +75,7 @@ class GSAMState(NamedTuple):
     policy_state: the state of the cheap-step policy (see
       :class:`optax_gsam.SharpnessPolicy`).
     stored_direction: for policies with ``cheap="reuse"`` (e.g.
-      ``perturb_every > 1``), the stored direction :math:`v` reused on cheap
+      ``every_k_policy(k)``), the stored direction :math:`v` reused on cheap
       steps (params-shaped): the part of the last full step's output
       orthogonal to its clean gradient, divided by that gradient's norm.
       ``None`` otherwise. A step whose gradients or perturbed loss are not
@@ -145,24 +139,6 @@ def _next_state(
   )
 
 
-def _check_update(updates, state, params, perturb, extra_args, settings, check_axis, inputs):
-  """Everything ``update`` can refuse before tracing anything, each with the fix."""
-  check_extra_args(extra_args)
-  _check_perturb(perturb, settings.policy)
-  check_not_masked(params)
-  k = settings.num_groups if settings.num_groups is not None else settings.microbatches
-  if updates is None and k is None:
-    raise ValueError(
-      "updates is None: pass the clean gradient of loss_fn at params (the usual "
-      "jax.value_and_grad pass), or set microbatches=k so that the transform accumulates it "
-      "over the micro-batches of batch=."
-    )
-  micro.check_inputs(inputs, k, updates, params, settings.num_groups is not None)
-  check_update_inputs(params if updates is None else updates, params, state.stored_direction)
-  if check_axis:
-    check_data_axis_is_set(settings.axis_name)
-
-
 def _run_stages(context, updates, params, grad_fn, clean_loss, perturb, inputs):
   """Stages 2 to 5 for the step's layout: whole batch, accumulated micro-batches, or one
   perturbation per micro-batch. Also returns how many whole-batch gradients a full and a
@@ -186,19 +162,6 @@ def _run_stages(context, updates, params, grad_fn, clean_loss, perturb, inputs):
   return outcome, policy_state, (ascent_steps + accumulating, accumulating)
 
 
-def _check_perturb(perturb, policy: SharpnessPolicy) -> None:
-  if perturb is not None and not isinstance(perturb, bool):
-    raise ValueError(
-      f"perturb must be None or a Python bool (static; not an array), got {perturb!r}."
-    )
-  if perturb is False and policy.always_full:
-    raise ValueError(
-      "perturb=False takes the cheap step, which the default policy never takes: set "
-      "perturb_every=k or policy= (e.g. optax_gsam.every_step_policy(skip_zero_rho=True) "
-      "for a plain base step at rho_t == 0)."
-    )
-
-
 def _initial_state(settings: step.Settings, params: optax.Params) -> GSAMState:
   check_not_in_multisteps("gsam/sam")
   # A fresh buffer per field: a donated state must not hold one buffer twice.
@@ -217,73 +180,6 @@ def _initial_state(settings: step.Settings, params: optax.Params) -> GSAMState:
     stored_direction=optax.tree.zeros_like(params) if policy.stores_direction else None,
     ascent_state=settings.direction.init(params),
   )
-
-
-def _check_call_arguments(rho, num_groups, perturb_every, check_axis) -> None:
-  """The arguments of gsam that do not go into :class:`step.Settings`."""
-  check_non_negative("rho", rho, allow_schedule=True)
-  check_positive_int("num_groups", num_groups, allow_none=True)
-  check_positive_int("perturb_every", perturb_every, allow_none=True)
-  if not isinstance(check_axis, bool):
-    raise ValueError(f"check_axis must be a bool, got {check_axis!r}.")
-
-
-def _microbatch_settings(microbatches, perturb_each_microbatch, num_groups, sync_perturbation):
-  """``(num_groups, microbatches)`` of :class:`step.Settings`: per-micro-batch or whole-batch."""
-  check_positive_int("microbatches", microbatches, allow_none=True)
-  if not isinstance(perturb_each_microbatch, bool):
-    raise ValueError(f"perturb_each_microbatch must be a bool, got {perturb_each_microbatch!r}.")
-  if microbatches is None:
-    if perturb_each_microbatch:
-      raise ValueError("perturb_each_microbatch=True needs microbatches=k (the number of them).")
-    return num_groups, None
-  if num_groups is not None:
-    raise ValueError(
-      "microbatches and num_groups both split the step; num_groups=G is microbatches=G with "
-      "perturb_each_microbatch=True (and loss_fn(params, index) when no batch is passed)."
-    )
-  if perturb_each_microbatch and sync_perturbation:
-    raise ValueError(
-      "perturb_each_microbatch=True perturbs each micro-batch along its own gradient, and "
-      "sync_perturbation=True along the global one: choose one."
-    )
-  return (microbatches, None) if perturb_each_microbatch else (None, microbatches)
-
-
-def _validated(settings: step.Settings) -> step.Settings:
-  """Validates gsam's static arguments eagerly; every error names its argument."""
-  check_non_negative("alpha", settings.alpha)
-  check_positive("eps", settings.eps)
-  if settings.adaptive not in pert.ADAPTIVE_CHOICES:
-    raise ValueError(f"adaptive must be one of {pert.ADAPTIVE_CHOICES}, got {settings.adaptive!r}.")
-  check_ascent(settings)
-  for name, flag in (
-    ("minimize_fp", settings.minimize_fp),
-    ("sync_perturbation", settings.sync_perturbation),
-  ):
-    if not isinstance(flag, bool):
-      raise ValueError(f"{name} must be a bool, got {flag!r}.")
-  check_axis_name(settings.axis_name)
-  if settings.sync_perturbation and settings.axis_name is None:
-    raise ValueError(
-      "sync_perturbation=True needs axis_name: it averages the clean gradient over that axis."
-    )
-  if settings.num_groups is not None and settings.sync_perturbation:
-    raise ValueError(
-      "num_groups perturbs each group along its own gradient, and sync_perturbation=True "
-      "along the global one: choose one."
-    )
-  if settings.num_groups is not None and settings.policy.uses_grad_norm:
-    raise ValueError(
-      f"policy={settings.policy.name!r} reads the clean gradient's norm, which per-micro-batch "
-      "perturbation (num_groups, perturb_each_microbatch) never forms before its per-micro-batch passes; use it with "
-      "perturb_each_microbatch=False, or pick another policy."
-    )
-  if settings.on_nonfinite not in ON_NONFINITE_CHOICES:
-    raise ValueError(
-      f"on_nonfinite must be one of {ON_NONFINITE_CHOICES}, got {settings.on_nonfinite!r}."
-    )
-  return settings
 
 
 def _update_fn(settings: step.Settings, rho: optax.ScalarOrSchedule, check_axis: bool) -> Callable:
@@ -305,7 +201,7 @@ def _update_fn(settings: step.Settings, rho: optax.ScalarOrSchedule, check_axis:
   ) -> tuple[optax.Updates, GSAMState]:
     check_placement("gsam/sam")
     params, inputs = numbers_as_arrays(params), micro.MicrobatchInputs(batch, key, model_state)
-    _check_update(updates, state, params, perturb, extra_args, settings, check_axis, inputs)
+    check_update(updates, state, params, perturb, extra_args, settings, check_axis, inputs)
     hyper = step.hyperparams_at(rho, settings.policy, state.count, settings.alpha)
     context = step.StepContext(
       settings,
@@ -330,24 +226,25 @@ def gsam(
   rho: optax.ScalarOrSchedule,
   alpha: float | jax.Array = 0.0,
   *,
-  eps: float = 1e-12,
-  adaptive: Adaptive = None,
   minimize_fp: bool = True,
+  eps: float = 1e-12,
+  ascent: optax.GradientTransformation | None = None,
+  ascent_steps: int | None = None,
+  mask: Any = None,
+  policy: SharpnessPolicy | None = None,
+  microbatches: int | None = None,
+  perturb_each_microbatch: bool = False,
   sync_perturbation: bool = False,
   axis_name: AxisName = None,
-  num_groups: int | None = None,
+  check_axis: bool = True,
+  on_nonfinite: str = "propagate",
+  # Deprecated aliases, kept working with a DeprecationWarning (see gsam_arguments).
+  adaptive: Adaptive = None,
   perturb_every: int | None = None,
   # Annotated as optax's common tests look for schedule arguments; None is "not given", which
   # optax.inject_hyperparams leaves static (a numeric default would be injected and "given").
   reuse_weight: optax.ScalarOrSchedule = None,
-  policy: SharpnessPolicy | None = None,
-  on_nonfinite: str = "propagate",
-  check_axis: bool = True,
-  ascent: optax.GradientTransformation | None = None,
-  ascent_steps: int | None = None,
-  mask: Any = None,
-  microbatches: int | None = None,
-  perturb_each_microbatch: bool = False,
+  num_groups: int | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Surrogate Gap Guided Sharpness-Aware Minimization (GSAM).
 
@@ -390,8 +287,9 @@ def gsam(
   * ``sync_perturbation=False`` (the paper's setting): each device perturbs
     with its own :math:`g_c` and decomposes its own gradients; the resulting
     :math:`g` is averaged. One gradient-sized all-reduce, as in a base step
-    (two on the full steps of ``perturb_every > 1``, which also average the
-    stored direction).
+    (two on the full steps of a ``cheap="reuse"`` policy such as
+    :func:`optax_gsam.every_k_policy`, which also average the stored
+    direction).
   * ``sync_perturbation=True``: :math:`g_c` is averaged before perturbing and
     :math:`g_p` before the decomposition, which equals single-device GSAM on
     the global batch. Two gradient-sized all-reduces.
@@ -416,8 +314,7 @@ def gsam(
   * ``perturb_each_microbatch=True``: each micro-batch is perturbed along its
     own clean gradient (m-sharpness with m the micro-batch size) and the
     output is the mean of the micro-batches' GSAM gradients; the values of
-    ``updates`` are not read (pass ``None``). ``num_groups=G`` is this with
-    ``microbatches=G``.
+    ``updates`` are not read (pass ``None``).
 
   Both work with ``axis_name`` (they split each device's batch). See
   docs/large_batches.md. ``optax.MultiSteps`` around the transform is
@@ -426,7 +323,7 @@ def gsam(
 
   **The ascent stage.** ``ascent`` is an ``optax.GradientTransformation``
   mapping a gradient to a perturbation of radius 1 (the default is
-  :func:`optax_gsam.normalized_ascent`, or the one ``adaptive`` names; see
+  :func:`optax_gsam.normalized_ascent`; see :func:`optax_gsam.adaptive_ascent`,
   :func:`optax_gsam.friendly_ascent` and :func:`optax_gsam.vasso_ascent`);
   its state is ``GSAMState.ascent_state``. ``ascent_steps=n`` takes n steps
   of length :math:`\rho_t / n`, each along the direction of the gradient at
@@ -447,8 +344,7 @@ def gsam(
   orthogonal to the clean gradient (``cheap="reuse"``, LookSAM). For GSAM,
   :math:`v` also carries the surrogate-gap term. The policies:
   :func:`optax_gsam.every_step_policy` (the default),
-  :func:`optax_gsam.every_k_policy` (``perturb_every=k`` with
-  ``reuse_weight`` is this one), :func:`optax_gsam.gradient_norm_policy`
+  :func:`optax_gsam.every_k_policy` (LookSAM), :func:`optax_gsam.gradient_norm_policy`
   (AE-SAM) and :func:`optax_gsam.random_policy`. Every policy but the default
   takes the cheap step where :math:`\rho_t = 0`. Inside one jitted step the
   choice is a ``lax.cond``; ``update(..., perturb=True|False)``, a static
@@ -475,14 +371,15 @@ def gsam(
   **Unusable rho values.** A rho schedule (or injected rho) whose value at a
   step is NaN, infinite or negative makes that step output the clean gradient,
   whatever ``on_nonfinite`` says; the step counts (so the schedule moves on),
-  ``GSAMState.fallback_count`` counts it and ``GSAMState.rho`` shows the
+  ``GSAMState.fallback_count`` counts it and ``GSAMState.last_rho`` shows the
   value. An injected alpha that is traced (``inject_hyperparams`` under
   ``jit``) is treated alike. A float rho or alpha, or a concrete array, is
   checked when the transform is built.
 
-  Under ``optax.inject_hyperparams(optax_gsam.gsam)``, rho, alpha, eps and
-  reuse_weight become injectable; static options (``perturb_every``,
-  ``num_groups``, a ``mask`` function) go in ``static_args``. Injected values take the params' dtype
+  Under ``optax.inject_hyperparams(optax_gsam.gsam)``, rho, alpha and eps
+  become injectable; a ``mask`` function goes in ``static_args``, and
+  ``policy`` and ``ascent`` stay static (schedule a policy's weight with
+  ``every_k_policy(k, reuse_weight=schedule)``). Injected values take the params' dtype
   unless ``hyperparam_dtype`` is given, so with bfloat16 params pass
   ``hyperparam_dtype=jnp.float32``; a scheduled rho is then read at
   ``inject_hyperparams``' own count.
@@ -492,23 +389,13 @@ def gsam(
       :func:`optax_gsam.rho_from_lr`), read at the transform's own step count.
     alpha: weight of the surrogate-gap term, >= 0.
     eps: :math:`\varepsilon` > 0, guards every division.
-    adaptive: ``None``; ``"gsam"`` for :math:`\epsilon = \rho |w| g_c / \|g_c\|`
-      (GSAM paper, big_vision's ``adaptive_perturbation``); ``"asam"`` for
-      :math:`\epsilon = \rho w^2 g_c / \| |w| g_c \|` (Kwon et al., 2021).
     minimize_fp: the decomposition branch (see above).
     sync_perturbation: average :math:`g_c` over ``axis_name`` before perturbing.
     axis_name: the data-parallel axis name, or ``None`` on a single device or
       under ``jax.jit`` with globally sharded arrays (gradients are global
       there, which behaves as synchronized).
-    num_groups: ``microbatches=num_groups, perturb_each_microbatch=True``
-      (see above), kept for compatibility.
-    perturb_every: shorthand for ``policy=every_k_policy(perturb_every,
-      reuse_weight=reuse_weight)`` (``None`` or 1: every step). A static int.
-    reuse_weight: :math:`\lambda` of ``perturb_every``, a float >= 0 or a
-      schedule; ``None`` (not given) is 0.7.
     policy: when to take the full step (see above); ``None`` is
-      :func:`optax_gsam.every_step_policy`. Not together with
-      ``perturb_every``/``reuse_weight``.
+      :func:`optax_gsam.every_step_policy`.
     on_nonfinite: ``"propagate"`` or ``"clean"`` (see above).
     check_axis: with ``axis_name=None``, raise a ``ValueError`` when ``update``
       runs under a mapped axis (``jax.pmap``, ``jax.shard_map``, a named
@@ -519,13 +406,22 @@ def gsam(
       replica, e.g. those of :func:`optax_gsam.cached_value_and_grad` with its
       own ``axis_name``.
     ascent: the ascent direction, an ``optax.GradientTransformation`` (see
-      above); ``None`` is the one ``adaptive`` names. Not with ``adaptive``.
+      above); ``None`` is :func:`optax_gsam.normalized_ascent`.
     ascent_steps: the number of ascent steps n >= 1 (``None``: 1); a full step
       evaluates n gradients besides the clean one.
     mask: which params leaves are perturbed (see above); ``None``: all.
     microbatches: split ``batch=`` into this many micro-batches (see above).
     perturb_each_microbatch: one perturbation per micro-batch instead of one
       for the whole batch.
+    adaptive: deprecated, ``ascent=optax_gsam.adaptive_ascent(adaptive, eps)``.
+    perturb_every: deprecated, ``policy=optax_gsam.every_k_policy(k,
+      reuse_weight=w)`` (``None`` or 1: the default policy).
+    reuse_weight: deprecated, the ``w`` above (``None``: 0.7).
+    num_groups: deprecated, ``microbatches=G, perturb_each_microbatch=True``.
+
+  The four deprecated keywords still work as the replacements above; each call
+  that gives one warns with a ``DeprecationWarning`` naming the replacement,
+  and they will be removed after 1.0 (see CHANGELOG.md).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` with state :class:`GSAMState`.
@@ -556,31 +452,32 @@ def gsam(
     Liu et al., `Towards Efficient and Scalable Sharpness-Aware Minimization
     <https://arxiv.org/abs/2203.02714>`_, CVPR 2022.
   """
-  _check_call_arguments(rho, num_groups, perturb_every, check_axis)
-  policy = policy_from_arguments(policy, perturb_every, reuse_weight)
-  num_groups, whole_batch_microbatches = _microbatch_settings(
-    microbatches, perturb_each_microbatch, num_groups, sync_perturbation
+  warn_deprecated(
+    "gsam",
+    adaptive=adaptive,
+    perturb_every=perturb_every,
+    reuse_weight=reuse_weight,
+    num_groups=num_groups,
   )
-  settings = _validated(
-    step.Settings(
-      alpha=alpha,
-      eps=eps,
-      adaptive=adaptive,
-      minimize_fp=minimize_fp,
-      sync_perturbation=sync_perturbation,
-      axis_name=axis_name,
-      num_groups=num_groups,
-      policy=policy,
-      on_nonfinite=on_nonfinite,
-      ascent=ascent,
-      ascent_steps=1 if ascent_steps is None else ascent_steps,
-      mask=mask,
-      microbatches=whole_batch_microbatches,
-    )
-  )
-
-  return optax.GradientTransformationExtraArgs(
-    functools.partial(_initial_state, settings), _update_fn(settings, rho, check_axis)
+  return _transform(
+    rho,
+    alpha,
+    minimize_fp=minimize_fp,
+    eps=eps,
+    ascent=ascent,
+    ascent_steps=ascent_steps,
+    mask=mask,
+    policy=policy,
+    microbatches=microbatches,
+    perturb_each_microbatch=perturb_each_microbatch,
+    sync_perturbation=sync_perturbation,
+    axis_name=axis_name,
+    check_axis=check_axis,
+    on_nonfinite=on_nonfinite,
+    adaptive=adaptive,
+    perturb_every=perturb_every,
+    reuse_weight=reuse_weight,
+    num_groups=num_groups,
   )
 
 
@@ -588,22 +485,23 @@ def sam(
   rho: optax.ScalarOrSchedule,
   *,
   eps: float = 1e-12,
-  adaptive: Adaptive = None,
+  ascent: optax.GradientTransformation | None = None,
+  ascent_steps: int | None = None,
+  mask: Any = None,
+  policy: SharpnessPolicy | None = None,
+  microbatches: int | None = None,
+  perturb_each_microbatch: bool = False,
   sync_perturbation: bool = False,
   axis_name: AxisName = None,
-  num_groups: int | None = None,
+  check_axis: bool = True,
+  on_nonfinite: str = "propagate",
+  # Deprecated aliases, kept working with a DeprecationWarning (see gsam_arguments).
+  adaptive: Adaptive = None,
   perturb_every: int | None = None,
   # Annotated as optax's common tests look for schedule arguments; None is "not given", which
   # optax.inject_hyperparams leaves static (a numeric default would be injected and "given").
   reuse_weight: optax.ScalarOrSchedule = None,
-  policy: SharpnessPolicy | None = None,
-  on_nonfinite: str = "propagate",
-  check_axis: bool = True,
-  ascent: optax.GradientTransformation | None = None,
-  ascent_steps: int | None = None,
-  mask: Any = None,
-  microbatches: int | None = None,
-  perturb_each_microbatch: bool = False,
+  num_groups: int | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Sharpness-Aware Minimization (SAM): :func:`gsam` with ``alpha=0``.
 
@@ -613,8 +511,8 @@ def sam(
     g = \nabla f(w + \epsilon)
 
   The output is the gradient at the perturbed weights; the optimizer chained
-  after it applies it to the unperturbed weights. ``adaptive="asam"`` gives
-  ASAM; ``perturb_every=k`` gives LookSAM. Arguments and the ``update``
+  after it applies it to the unperturbed weights. ``ascent=adaptive_ascent("asam")``
+  gives ASAM; ``policy=every_k_policy(k)`` gives LookSAM. Arguments and the ``update``
   protocol are those of :func:`gsam`.
 
   Example:
@@ -629,94 +527,56 @@ def sam(
     Foret et al., `Sharpness-Aware Minimization for Efficiently Improving
     Generalization <https://arxiv.org/abs/2010.01412>`_, ICLR 2021.
   """
-  return gsam(
-    rho,
-    0.0,
-    eps=eps,
+  warn_deprecated(
+    "sam",
     adaptive=adaptive,
-    minimize_fp=True,
-    sync_perturbation=sync_perturbation,
-    axis_name=axis_name,
-    num_groups=num_groups,
     perturb_every=perturb_every,
     reuse_weight=reuse_weight,
-    policy=policy,
-    on_nonfinite=on_nonfinite,
-    check_axis=check_axis,
+    num_groups=num_groups,
+  )
+  return _transform(
+    rho,
+    0.0,
+    minimize_fp=True,
+    eps=eps,
     ascent=ascent,
     ascent_steps=ascent_steps,
     mask=mask,
+    policy=policy,
     microbatches=microbatches,
     perturb_each_microbatch=perturb_each_microbatch,
+    sync_perturbation=sync_perturbation,
+    axis_name=axis_name,
+    check_axis=check_axis,
+    on_nonfinite=on_nonfinite,
+    adaptive=adaptive,
+    perturb_every=perturb_every,
+    reuse_weight=reuse_weight,
+    num_groups=num_groups,
   )
 
 
-def _find_state(opt_state: Any) -> GSAMState:
-  found = [
-    leaf
-    for leaf in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, GSAMState))
-    if isinstance(leaf, GSAMState)
-  ]
-  if len(found) != 1:
-    raise ValueError(
-      f"opt_state must hold exactly one GSAMState (the state of gsam or sam), found {len(found)}."
+def _transform(rho, alpha, *, check_axis, num_groups, perturb_every, reuse_weight, **arguments):
+  """The transform of :func:`gsam`'s arguments, validated; the aliases read as their replacements."""
+  check_call_arguments(rho, num_groups, perturb_every, check_axis)
+  policy = policy_from_arguments(arguments.pop("policy"), perturb_every, reuse_weight)
+  num_groups, whole_batch_microbatches = microbatch_settings(
+    arguments.pop("microbatches"),
+    arguments.pop("perturb_each_microbatch"),
+    num_groups,
+    arguments["sync_perturbation"],
+  )
+  ascent_steps = arguments.pop("ascent_steps")
+  settings = validated(
+    step.Settings(
+      alpha=alpha,
+      num_groups=num_groups,
+      policy=policy,
+      ascent_steps=1 if ascent_steps is None else ascent_steps,
+      microbatches=whole_batch_microbatches,
+      **arguments,
     )
-  return found[0]
-
-
-def full_step_due(
-  opt_state: Any,
-  grads: optax.Updates,
-  *,
-  policy: SharpnessPolicy | None = None,
-  rho: optax.ScalarOrSchedule,
-  axis_name: AxisName = None,
-) -> jax.Array:
-  r"""Whether the next ``update`` would take the full step: the policy's answer, ahead of it.
-
-  For the static protocol: jit one step per branch (``update(...,
-  perturb=True)`` and ``perturb=False``) and pick it in Python with this
-  function, so no ``lax.cond`` is traced. It evaluates the policy's decision
-  (and :math:`\rho_t > 0`) at the state's step without changing the state;
-  the ``update`` that follows advances the policy's state as usual.
-
-  Args:
-    opt_state: the optimizer state holding one :class:`GSAMState`, e.g. a
-      chain's (unreplicated: one device's copy under ``pmap``).
-    grads: the clean gradient of this step, read by
-      :func:`optax_gsam.gradient_norm_policy` only.
-    policy: the policy given to :func:`gsam` (``None``: the default; with
-      ``perturb_every=k``, pass ``every_k_policy(k)``).
-    rho: the ``rho`` given to :func:`gsam`.
-    axis_name: for per-device perturbation, the transform's ``axis_name``:
-      call this inside the mapped function with each device's own ``grads``,
-      and it averages the squared gradient norms over the axis exactly as
-      ``update`` does. With synchronized perturbation, or on one device, leave
-      it ``None`` and pass the global gradient.
-
-  Returns:
-    A bool scalar array.
-
-  Raises:
-    ValueError: if ``policy`` is not the one the state was built with (its
-      state or its stored direction does not match).
-
-  Example:
-    >>> import jax, jax.numpy as jnp, optax, optax_gsam
-    >>> policy = optax_gsam.every_k_policy(3)
-    >>> tx = optax.chain(optax_gsam.sam(0.05, policy=policy), optax.sgd(0.1))
-    >>> state = tx.init(jnp.ones(2))
-    >>> bool(optax_gsam.full_step_due(state, jnp.ones(2), policy=policy, rho=0.05))
-    True
-  """
-  policy = policy_from_arguments(policy, None, None)
-  state = _find_state(opt_state)
-  same_state = jax.tree.structure(policy.init()) == jax.tree.structure(state.policy_state)
-  if not same_state or policy.stores_direction != (state.stored_direction is not None):
-    raise ValueError(
-      f"policy ({policy.name!r}) is not the policy this optimizer state was built with: pass "
-      "full_step_due the policy given to gsam/sam (every_k_policy(k) for perturb_every=k)."
-    )
-  hyper = step.hyperparams_at(rho, policy, state.count)
-  due, _ = step.decide(policy, state.policy_state, state.count, hyper, grads, axis_name)
-  return jnp.asarray(due)
+  )
+  return optax.GradientTransformationExtraArgs(
+    functools.partial(_initial_state, settings), _update_fn(settings, rho, check_axis)
+  )
