@@ -1,7 +1,7 @@
 """Data-parallel GSAM: collectives in the compiled step, 8-device throughput, v3-64 figures.
 
 For base / SAM / GSAM, per-device and synchronized perturbation (and GSAM with
-``perturb_every=5``), each written as a per-device step under
+``policy=every_k_policy(5)``), each written as a per-device step under
 ``optax_gsam.data_parallel`` on an 8-device mesh, this script
 
 1. compiles the step and reads its HLO: the number of all-reduce ops and the
@@ -56,7 +56,7 @@ def contenders(rho: float = 0.05, alpha: float = 0.3) -> dict[str, optax.Gradien
     "sam sync": optax_gsam.sam(rho, axis_name=AXIS, sync_perturbation=True),
     "gsam": optax_gsam.gsam(rho, alpha, axis_name=AXIS),
     "gsam sync": optax_gsam.gsam(rho, alpha, axis_name=AXIS, sync_perturbation=True),
-    "gsam k=5": optax_gsam.gsam(rho, alpha, axis_name=AXIS, perturb_every=5),
+    "gsam k=5": optax_gsam.gsam(rho, alpha, axis_name=AXIS, policy=optax_gsam.every_k_policy(5)),
   }
 
 

@@ -59,7 +59,8 @@ COST_ROUNDS = 3  # base is timed this many times with and without tracking, inte
 CONTENDERS: dict[str, Contender] = {
   **harness.CONTENDERS,
   "gsam k=5": Contender(
-    before_base(lambda hp: optax_gsam.gsam(hp.rho, hp.alpha, perturb_every=5)), "gsam"
+    before_base(lambda hp: optax_gsam.gsam(hp.rho, hp.alpha, policy=optax_gsam.every_k_policy(5))),
+    "gsam",
   ),
   # Ascent directions, each at the paper's default and its own tuned rho.
   "friendly-sam": Contender(

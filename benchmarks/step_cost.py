@@ -42,7 +42,7 @@ def _contrib_sam(
 
 
 def _gsam_every(hp: harness.HParams) -> optax.GradientTransformation:
-  return optax_gsam.gsam(hp.rho, hp.alpha, perturb_every=5)
+  return optax_gsam.gsam(hp.rho, hp.alpha, policy=optax_gsam.every_k_policy(5))
 
 
 CONTENDERS: dict[str, Contender] = {

@@ -23,7 +23,7 @@ reads, per core, what the TPU compiler reports:
 
 Contenders (base optimizer AdamW everywhere): ``adamw``; ``sam``; ``gsam``
 (per-device perturbation, the paper's setting); ``gsam sync``; GSAM with
-``perturb_every=5`` as its two static programs (``update(..., perturb=True)``
+``policy=every_k_policy(5)`` as its two static programs (``update(..., perturb=True)``
 and ``perturb=False``) and as the ``lax.cond`` program;
 ``gradient_norm_policy``'s cheap step; ``momentum_sam``; ``optax.contrib.sam``
 (opaque mode, per-device adversary, averaged perturbed gradient); and
@@ -156,13 +156,17 @@ CONTENDERS = {
     lambda base, hp: optax.chain(_policy_gsam(hp, sync_perturbation=True), base)
   ),
   "gsam k=5 full": Contender(
-    lambda base, hp: optax.chain(_policy_gsam(hp, perturb_every=5), base), perturb=True
+    lambda base, hp: optax.chain(_policy_gsam(hp, policy=optax_gsam.every_k_policy(5)), base),
+    perturb=True,
   ),
   "gsam k=5 cheap": Contender(
-    lambda base, hp: optax.chain(_policy_gsam(hp, perturb_every=5), base), perturb=False
+    lambda base, hp: optax.chain(_policy_gsam(hp, policy=optax_gsam.every_k_policy(5)), base),
+    perturb=False,
   ),
   "sam": Contender(lambda base, hp: optax.chain(optax_gsam.sam(hp.rho, axis_name=AXIS), base)),
-  "gsam k=5 cond": Contender(lambda base, hp: optax.chain(_policy_gsam(hp, perturb_every=5), base)),
+  "gsam k=5 cond": Contender(
+    lambda base, hp: optax.chain(_policy_gsam(hp, policy=optax_gsam.every_k_policy(5)), base)
+  ),
   "gnorm cheap": Contender(
     lambda base, hp: optax.chain(
       _policy_gsam(hp, policy=optax_gsam.gradient_norm_policy(0.0)), base

@@ -57,7 +57,10 @@ def test_generalization_smoke(tmp_path, monkeypatch):
     generalization.CONTENDERS,
     "sam_adaptive",
     harness.Contender(
-      harness.before_base(lambda hp: optax_gsam.sam(hp.rho, adaptive="gsam")), "sam"
+      harness.before_base(
+        lambda hp: optax_gsam.sam(hp.rho, ascent=optax_gsam.adaptive_ascent("gsam"))
+      ),
+      "sam",
     ),
   )
   argv = ["--seeds", "1", "--epochs", "1", "--noise", "0.2", "--out-dir", str(tmp_path)]
