@@ -32,6 +32,7 @@ Writes ``benchmarks/results/tpu_sharded.json`` (``tpu_sharded_quick.json`` with 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -117,14 +118,32 @@ CONTENDERS = {
   "gsam perturb=True": (_chain(optax_gsam.gsam(RHO, ALPHA)), "loss_fn", True),
   "plain gsam": (lambda base: base, "plain", None),
   "plain sam": (lambda base: base, "plain sam", None),
+  # The memory experiments: the gradients laid out as the params (see EXPERIMENTS).
+  "adamw, grads laid out": (lambda base: base, "base laid out", None),
+  "gsam, clean grads laid out": (_chain(optax_gsam.gsam(RHO, ALPHA)), "loss_fn laid out", None),
+  "gsam, patched: both grads laid out": (_chain(optax_gsam.gsam(RHO, ALPHA)), "loss_fn", None),
+  "gsam, patched: both grads shard_alike": (_chain(optax_gsam.gsam(RHO, ALPHA)), "loss_fn", None),
+  "gsam, patched: clean grads laid out, barrier": (
+    _chain(optax_gsam.gsam(RHO, ALPHA)),
+    "loss_fn",
+    None,
+  ),
+  "gsam, patched: clean grads shard_alike, barrier": (
+    _chain(optax_gsam.gsam(RHO, ALPHA)),
+    "loss_fn",
+    None,
+  ),
 }
+EXPERIMENTS = tuple(name for name in CONTENDERS if "laid out" in name or "patched" in name)
 MAIN_CONTENDERS = tuple(list(CONTENDERS)[:7])
 FULL_ORDER = ("adamw", "gsam", "optax.contrib.sam", "sam", "plain gsam", "momentum_sam",
               "gsam mb=4", "gsam every-5", "plain sam")  # fmt: skip
 
 
-def make_step(name: str, loss_of):
-  """(tx, step(params, opt_state, tokens) -> (params, opt_state)); ``loss_of(params, tokens)``."""
+def make_step(name: str, loss_of, layout=lambda tree: tree):
+  """(tx, step(params, opt_state, tokens) -> (params, opt_state)); ``loss_of(params, tokens)``.
+
+  ``layout(tree)`` constrains a params-shaped tree to the params' shardings (``laid out``)."""
   make, protocol, perturb = CONTENDERS[name]
   tx = make(optax.adamw(LR, weight_decay=WEIGHT_DECAY))
 
@@ -140,8 +159,9 @@ def make_step(name: str, loss_of):
       updates, opt_state = tx.update(grads, opt_state, params, grad_fn=grad_fn)
     else:
       loss, grads = jax.value_and_grad(closed)(params)
+      grads = layout(grads) if protocol.endswith(" laid out") else grads
       kwargs = {}
-      if protocol == "loss_fn":
+      if protocol.startswith("loss_fn"):
         kwargs = {"loss_fn": closed, "value": loss}
         kwargs.update({} if perturb is None else {"perturb": perturb})
       elif protocol.startswith("plain"):
@@ -196,29 +216,68 @@ def build(mesh, config: DecoderConfig, dtype, name: str, per_core: int):
   constrain = lambda x: jax.lax.with_sharding_constraint(x, batch_sharding)
   model = Decoder(config, dtype, constrain)
   loss_of = lambda p, tokens: next_token_loss(model, p, constrain(tokens))
-  tx, step = make_step(name, loss_of)
   tokens = jnp.zeros((1, config.seq), jnp.int32)
   params = jax.eval_shape(lambda: model.init(jax.random.key(0), tokens)["params"])
   params = fsdp_specs(params, mesh)
+  shardings = lambda tree: jax.tree.map(lambda s: s.sharding, tree)
+  layout = lambda tree: jax.lax.with_sharding_constraint(tree, shardings(params))
+  tx, step = make_step(name, loss_of, layout)
   opt_state = fsdp_specs(jax.eval_shape(tx.init, params), mesh)
   batch = jax.ShapeDtypeStruct(
     (per_core * mesh.size, config.seq), jnp.int32, sharding=batch_sharding
   )
-  shardings = lambda tree: jax.tree.map(lambda s: s.sharding, tree)
   jitted = jax.jit(
     step,
     in_shardings=(shardings(params), shardings(opt_state), batch_sharding),
     out_shardings=(shardings(params), shardings(opt_state)),
     donate_argnums=(0, 1),
   )
-  return jitted, (params, opt_state, batch), param_count(params)
+  return jitted, (params, opt_state, batch), param_count(params), layout
+
+
+@contextlib.contextmanager
+def patched_gsam(name: str, layout):
+  """For the ``patched`` experiments, optax_gsam's ``step.replicated_update`` with the clean
+  gradient (``both``: and the perturbed one, ``grad_fn``'s) laid out as the params: by
+  ``layout`` (``with_sharding_constraint`` to the params' shardings) or by ``shard_alike(g,
+  params)``; ``barrier``: the laid-out clean gradient behind an ``optimization_barrier``, so
+  that its shards are materialized before the perturbed pass."""
+  if "patched" not in name:
+    yield
+    return
+  from jax.experimental.shard_alike import shard_alike
+
+  from optax_gsam._src import step as gsam_step
+
+  if "shard_alike" in name:
+    layout_of = lambda tree, params: jax.tree.map(lambda g, p: shard_alike(g, p)[0], tree, params)
+  else:
+    layout_of = lambda tree, params: layout(tree)
+  original = gsam_step.replicated_update
+
+  def replicated_update(context, updates, params, grad_fn, clean_loss, perturb):
+    def laid_out(p):
+      value, grads = grad_fn(p)
+      return value, layout_of(grads, params)
+
+    updates = layout_of(updates, params)
+    if "barrier" in name:
+      updates = jax.lax.optimization_barrier(updates)
+    grad_fn = laid_out if "both" in name else grad_fn
+    return original(context, updates, params, grad_fn, clean_loss, perturb)
+
+  gsam_step.replicated_update = replicated_update
+  try:
+    yield
+  finally:
+    gsam_step.replicated_update = original
 
 
 def compile_row(mesh, config, dtype: str, name: str, per_core: int) -> tuple[dict, object]:
   """Lowers and compiles one contender; its row of figures and the compiled program."""
-  jitted, args, n_params = build(mesh, config, DTYPES[dtype], name, per_core)
+  jitted, args, n_params, layout = build(mesh, config, DTYPES[dtype], name, per_core)
   start = time.perf_counter()
-  with jax.set_mesh(mesh):
+  with jax.set_mesh(mesh), patched_gsam(name, layout):
     lowered = jitted.lower(*args)
   trace_s = time.perf_counter() - start
   start, cpu = time.perf_counter(), time.process_time()
@@ -328,6 +387,7 @@ def parse_args(argv):
   parser.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=None)
   parser.add_argument("--contenders", nargs="+", choices=list(CONTENDERS), default=None)
   parser.add_argument("--out", type=pathlib.Path, default=None)
+  parser.add_argument("--report", action="store_true", help="only report --out's rows again")
   parser.add_argument(
     "--dump", type=pathlib.Path, default=None,
     help="XLA's dumps of each step (buffer assignment, live ranges at the peak) under DUMP/<row>",
@@ -383,6 +443,8 @@ def _file_dump(root: pathlib.Path, row: str) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
   args = parse_args(argv)
+  if args.report:  # No compiling: the table and targets of --out's rows.
+    return report(json.loads(args.out.read_text()), args.out)
   if args.dump:  # Read when the TPU backend starts, below.
     flags = f"--xla_dump_to={args.dump} --xla_dump_hlo_as_text"
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flags).strip()
@@ -402,14 +464,19 @@ def main(argv: list[str] | None = None) -> dict:
     "hparams": {"rho": RHO, "alpha": ALPHA, "lr": LR, "weight_decay": WEIGHT_DECAY},
     "peak_formula": "argument + output - alias + temp + generated_code (bytes per core)",
   }
-  rows = run_rows(args, mesh, result)
-  print(format_table(rows))
-  result["targets"] = targets(rows)
+  run_rows(args, mesh, result)
+  return report(result, args.out)
+
+
+def report(result: dict, out: pathlib.Path) -> dict:
+  """Prints the table and the targets of ``result["rows"]`` and writes ``result`` to ``out``."""
+  print(format_table(result["rows"]))
+  result["targets"] = targets(result["rows"])
   for t in result["targets"]:
     print(f"{t['target']}: {t['value']:.4g} (limit {t['limit']:.4g}) -> "
           f"{'met' if t['met'] else 'MISSED'}")  # fmt: skip
-  _write(args.out, result)
-  print(f"wrote {args.out}")
+  _write(out, result)
+  print(f"wrote {out}")
   return result
 
 
