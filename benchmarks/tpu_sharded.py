@@ -133,6 +133,7 @@ CONTENDERS = {
     "loss_fn",
     None,
   ),
+  "sam, patched: clean grads shard_alike, barrier": (_chain(optax_gsam.sam(RHO)), "loss_fn", None),
 }
 EXPERIMENTS = tuple(name for name in CONTENDERS if "laid out" in name or "patched" in name)
 MAIN_CONTENDERS = tuple(list(CONTENDERS)[:7])
