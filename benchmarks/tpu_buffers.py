@@ -41,7 +41,9 @@ def label(name: str) -> str:
   for argument in ("params", "opt_state", "tokens"):
     if name.startswith(argument):
       return argument + ("" if argument == "tokens" else " (argument)")
-  if name.startswith(("copy-start", "copy")):
+  if re.fullmatch(r"[A-Za-z_]\w*", name):  # a parameter leaf, named by its key (``kernel``)
+    return "params (argument)"
+  if name.startswith("copy-start"):
     return "copy-start (argument copies)"
   name = re.sub(r"\{\d+\}$", "", name.removeprefix("jit(step)/"))
   return name
