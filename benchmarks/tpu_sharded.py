@@ -20,13 +20,20 @@ Rows (AdamW after every sharpness-aware transform): ``adamw``, ``gsam``, ``sam``
 ``optax.contrib.sam``, ``momentum_sam``, ``gsam mb=4`` (``microbatches=4``, the transform
 takes the clean gradient too), ``gsam every-5`` (``policy=every_k_policy(5)``, the
 ``lax.cond`` program), and the references for the memory analysis: ``plain gsam`` and
-``plain sam`` (the steps written from the formulas in this file) and ``gsam perturb=True``.
+``plain sam`` (the steps written from the formulas in this file). Not run by default: ``gsam
+perturb=True`` and the memory experiments (``EXPERIMENTS``: the gradients laid out as the
+params by the user's step or by a monkeypatched ``optax_gsam._src.step.replicated_update``,
+with or without an ``optimization_barrier``; see ``patched_gsam``).
 
     python benchmarks/tpu_sharded.py                 # v4-64, 1B decoder, f32 and bf16
-    python benchmarks/tpu_sharded.py --quick         # tiny decoder on a v4-8, seconds
+    python benchmarks/tpu_sharded.py --quick         # tiny decoder on a v4-8, about a minute
     python benchmarks/tpu_sharded.py --contenders adamw gsam --dtypes bf16 --append
+    python benchmarks/tpu_sharded.py --report        # the table and targets again, no compiling
+    python benchmarks/tpu_sharded.py --dtypes f32 --contenders gsam --dump /tmp/dump  # then
+    python benchmarks/tpu_buffers.py /tmp/dump/f32-gsam  # what is live at the peak
 
-Writes ``benchmarks/results/tpu_sharded.json`` (``tpu_sharded_quick.json`` with ``--quick``).
+Writes ``benchmarks/results/tpu_sharded.json`` (``tpu_sharded_quick.json`` with ``--quick``;
+the memory experiments were written with ``--out benchmarks/results/tpu_sharded_memory.json``).
 """
 
 from __future__ import annotations
@@ -130,6 +137,11 @@ CONTENDERS = {
   ),
   "gsam, patched: clean grads shard_alike, barrier": (
     _chain(optax_gsam.gsam(RHO, ALPHA)),
+    "loss_fn",
+    None,
+  ),
+  "gsam every-5, patched: clean grads shard_alike, barrier": (
+    _chain(optax_gsam.gsam(RHO, ALPHA, policy=optax_gsam.every_k_policy(5))),
     "loss_fn",
     None,
   ),
