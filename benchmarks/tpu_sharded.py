@@ -145,6 +145,11 @@ CONTENDERS = {
     "loss_fn",
     None,
   ),
+  "gsam, patched: clean grads shard_alike, barrier, one-pass stats": (
+    _chain(optax_gsam.gsam(RHO, ALPHA)),
+    "loss_fn",
+    None,
+  ),
   "sam, patched: clean grads shard_alike, barrier": (_chain(optax_gsam.sam(RHO)), "loss_fn", None),
 }
 EXPERIMENTS = tuple(name for name in CONTENDERS if "laid out" in name or "patched" in name)
@@ -280,10 +285,26 @@ def patched_gsam(name: str, layout):
     return original(context, updates, params, grad_fn, clean_loss, perturb)
 
   gsam_step.replicated_update = replicated_update
+  stats = gsam_step.pert.gradient_stats
+  if "one-pass stats" in name:
+    gsam_step.pert.gradient_stats = _one_pass_stats
   try:
     yield
   finally:
     gsam_step.replicated_update = original
+    gsam_step.pert.gradient_stats = stats
+
+
+def _one_pass_stats(a, b):
+  """``gradient_stats`` without the power-of-two scaling: plain float32 sums of products, which
+  need no global max of either tree first (overflow-prone at extreme scales)."""
+  dot = lambda x, y: sum(
+    jnp.vdot(p.astype(jnp.float32), q.astype(jnp.float32))
+    for p, q in zip(jax.tree.leaves(x), jax.tree.leaves(y), strict=True)
+  )
+  norm_a, norm_b = jnp.sqrt(dot(a, a)), jnp.sqrt(dot(b, b))
+  cosine = dot(a, b) / jnp.maximum(norm_a * norm_b, 1e-30)
+  return optax_gsam.GradientStats(norm_a, norm_b, cosine)
 
 
 def compile_row(mesh, config, dtype: str, name: str, per_core: int) -> tuple[dict, object]:
