@@ -1,0 +1,79 @@
+"""benchmarks/tpu_sharded.py --quick: an FSDP-sharded decoder compiled for a v4-8 (needs libtpu).
+
+Three steps (AdamW, gsam, optax.contrib.sam) of the tiny decoder, f32, compiled by the TPU
+compiler with no TPU attached; the JSON's structure and the collectives gsam adds are checked.
+"""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+needs_libtpu = pytest.mark.skipif(
+  importlib.util.find_spec("libtpu") is None,
+  reason="libtpu is not installed; pip install -e '.[tpu-compile]' to compile for a TPU topology",
+)
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def _load(name):
+  spec = importlib.util.spec_from_file_location(f"_benchmarks_{name}", BENCHMARKS / f"{name}.py")
+  module = importlib.util.module_from_spec(spec)
+  sys.modules[spec.name] = module  # dataclasses look their module up
+  spec.loader.exec_module(module)
+  return module
+
+
+@pytest.fixture(scope="module")
+def quick_result(tmp_path_factory):
+  out = tmp_path_factory.mktemp("tpu_sharded") / "tpu_sharded_quick.json"
+  names = ["adamw", "gsam", "optax.contrib.sam"]
+  _load("tpu_sharded").main(
+    ["--quick", "--dtypes", "f32", "--contenders", *names, "--out", str(out)]
+  )
+  return json.loads(out.read_text())
+
+
+@needs_libtpu
+def test_quick_json_has_a_row_per_step_with_the_compilers_figures(quick_result):
+  assert quick_result["topology"] == "v4-8" and quick_result["cores"] == 8
+  rows = {r["contender"]: r for r in quick_result["rows"]}
+  assert set(rows) == {"adamw", "gsam", "optax.contrib.sam"}
+  for row in rows.values():
+    assert row["dtype"] == "f32" and row["compile_s"] > 0 and row["flops"] > 0
+    assert row["peak_bytes"] >= row["argument_bytes"] > 0
+    # FSDP: each core holds 1/8 of the parameters (the small vectors that 8 divides too).
+    assert row["param_bytes_per_core"] < row["param_bytes"] / 4
+    assert row["collectives"]["all-reduce"]["count"] >= 1
+  assert {t["target"].split(": ", 1)[1] for t in quick_result["targets"]} >= {
+    "gsam peak bytes <= adamw's + 2 param shards",
+    "gsam flops / adamw's <= 2.01",
+  }
+
+
+@needs_libtpu
+def test_quick_gsam_adds_no_collective_bytes_to_two_passes_and_doubles_flops(quick_result):
+  rows = {r["contender"]: r for r in quick_result["rows"]}
+  all_reduce = lambda name: rows[name]["collectives"]["all-reduce"]["bytes"]
+  assert all_reduce("gsam") <= all_reduce("optax.contrib.sam") + 1024
+  assert 1.9 <= rows["gsam"]["flops"] / rows["adamw"]["flops"] <= 2.01
+
+
+def test_peak_breakdown_is_read_from_the_live_range_dump():
+  tpu_buffers = _load("tpu_buffers")
+  text = """HloLiveRange (max 9):
+  Stack trace breakdown for peak usage: 3 430 264 bytes
+    main.226_spmd (100.0%, total: 3 430 264 bytes, current: 0 bytes, remaining: 3 430 264 bytes)
+      ├── jit(step)/transpose(jvp(Decoder))/while (39.7%, total: 1 362 076 bytes, current: 0 bytes, remaining: 1 bytes)
+      │   ├── jit(step)/add{1} (7.6%, total: 262 148 bytes, current: 262 148 bytes, remaining: 1 bytes)
+      ├── jit(step)/add{0} (7.6%, total: 262 144 bytes, current: 262 144 bytes, remaining: 1 bytes)
+      ├── opt_state[1][0].mu['pos'] (0.1%, total: 2 048 bytes, current: 2 048 bytes, remaining: 1 bytes)
+  """
+  buffers = tpu_buffers.peak_buffers(text)
+  assert buffers == [("jit(step)/add{1}", 262148), ("jit(step)/add{0}", 262144),
+                     ("opt_state[1][0].mu['pos']", 2048)]  # fmt: skip
+  assert tpu_buffers.peak_bytes(text) == 3430264
+  assert tpu_buffers.grouped(buffers) == {"add": (2, 524292), "opt_state (argument)": (1, 2048)}
