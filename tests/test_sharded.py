@@ -441,3 +441,36 @@ def test_microbatches_with_model_state_and_keys_on_sharded_params(mode):
       actual = run(params, batch, Layout("fsdp+tensor", mode))
   assert_close(actual, expected, "stateful micro-batches")
   assert_no_replicated_params_buffer(actual[1], params)
+
+
+@pytest.mark.parametrize("mode", [AxisType.Auto, AxisType.Explicit], ids=["auto", "explicit"])
+@pytest.mark.parametrize("case", ["every_k", "friendly", "momentum_sam"])
+def test_a_state_kept_replicated_beside_sharded_params_keeps_its_layout(case, mode):
+  """The optimizer state built from unsharded params (replicated), the params sharded: the same
+  numbers as unsharded, and the state's params-sized buffers stay replicated."""
+  make_tx, _ = CASES[case]
+  expected = unsharded_run(case)
+  shape, names, param_specs, _, batch_spec = LAYOUTS["fsdp+tensor"]
+  mesh = jax.make_mesh(shape, names, axis_types=(mode,) * len(names))
+  with jax.enable_x64(True), jax.set_mesh(mesh):
+    params, batch = make_data()
+    replicated = NamedSharding(mesh, P())
+    tx = optax.chain(make_tx(), optax.sgd(0.05))
+    opt_state = jax.device_put(tx.init(params), replicated)
+    params = {k: jax.device_put(v, NamedSharding(mesh, param_specs[k])) for k, v in params.items()}
+    batch = jax.device_put(batch, NamedSharding(mesh, batch_spec))
+    loss_fn = functools.partial(mlp_loss, layout=Layout("fsdp+tensor", mode))
+
+    @jax.jit
+    def step(params, opt_state):
+      loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+      closed = lambda p: loss_fn(p, batch)
+      updates, opt_state = tx.update(grads, opt_state, params, loss_fn=closed, value=loss)
+      return optax.apply_updates(params, updates), opt_state, updates
+
+    for _ in range(STEPS):
+      params, opt_state, updates = step(params, opt_state)
+  assert_close((params, opt_state, updates), expected, case)
+  if mode == AxisType.Explicit:  # Auto axes leave the state's layout to the compiler
+    for leaf in jax.tree.leaves(opt_state):
+      assert leaf.sharding.is_fully_replicated, leaf.sharding
