@@ -59,15 +59,14 @@ def _explicit_sharding(x: Any) -> Any:
   return sharding
 
 
-def conform(tree: Any, like: Any) -> Any:
-  """``tree`` with the dtypes of ``like`` and, under explicit mesh axes, its shardings.
+def same_layout(tree: Any, like: Any) -> Any:
+  """``tree`` resharded, leaf by leaf, to the explicit shardings of ``like`` where they differ.
 
-  ``optax.tree.cast_like`` for values that meet ``like`` in a ``jnp.where``, a
-  ``lax.cond`` or a state: a state kept replicated while the parameters are
-  sharded (or the reverse) is legitimate, and its new value takes the state's
-  layout. Under Auto axes and without a mesh only the dtypes change.
+  Under explicit mesh axes a ``jnp.where``, an arithmetic op or a ``lax.cond``
+  refuses operands of different shardings; a state kept in another layout than
+  the parameters (replicated, say) is legitimate, so values that meet it take
+  its layout. Under Auto axes and without a mesh nothing changes.
   """
-  tree = optax.tree.cast_like(tree, like)
 
   def reshard(x: Any, reference: Any) -> Any:
     target = _explicit_sharding(reference)
@@ -77,6 +76,11 @@ def conform(tree: Any, like: Any) -> Any:
     return jax.sharding.reshard(x, target)
 
   return jax.tree.map(reshard, tree, like)
+
+
+def conform(tree: Any, like: Any) -> Any:
+  """``tree`` with the dtypes of ``like`` (``optax.tree.cast_like``) and its layout."""
+  return same_layout(optax.tree.cast_like(tree, like), like)
 
 
 def numbers_as_arrays(tree: Any) -> Any:

@@ -32,6 +32,7 @@ import optax
 
 from optax_gsam._src import perturbation as pert
 from optax_gsam._src.arrays import conform
+from optax_gsam._src.arrays import same_layout
 from optax_gsam._src.ascent import ascent_from_adaptive
 from optax_gsam._src.ascent import resolve_mask
 from optax_gsam._src.ascent import select_leaves
@@ -341,7 +342,7 @@ def cheap_step(
     return BranchResult(
       pert.reuse_direction(
         clean_grads,
-        conform(stored_direction, clean_grads),
+        same_layout(stored_direction, clean_grads),
         weight,
         scale=policy.reuse_scale,
         max_amplification=policy.max_amplification,
