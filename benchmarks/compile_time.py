@@ -29,6 +29,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
+from baselines import contrib_sam
 
 import optax_gsam
 
@@ -45,11 +46,6 @@ class SmallCNN(nn.Module):
     return nn.Dense(10)(x)
 
 
-def _contrib_sam(base):
-  adversary = optax.chain(optax.contrib.normalize(), optax.sgd(RHO))
-  return optax.contrib.sam(base, adversary, opaque_mode=True)
-
-
 def _gsam(**kwargs):
   return lambda base: optax.chain(optax_gsam.gsam(RHO, ALPHA, **kwargs), base)
 
@@ -57,7 +53,7 @@ def _gsam(**kwargs):
 # name -> (optimizer from the base, protocol, static perturb)
 CONTENDERS = {
   "adam": (lambda base: base, "base", None),
-  "optax.contrib.sam": (_contrib_sam, "grad_fn", None),
+  "optax.contrib.sam": (lambda base: contrib_sam(base, RHO), "grad_fn", None),
   "gsam": (_gsam(), "loss_fn", None),
   "sam": (lambda base: optax.chain(optax_gsam.sam(RHO), base), "loss_fn", None),
   "gsam every-5 (cond)": (_gsam(policy=optax_gsam.every_k_policy(5)), "loss_fn", None),

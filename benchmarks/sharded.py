@@ -33,6 +33,7 @@ jax.config.update("jax_num_cpu_devices", 8)
 
 import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
+from baselines import contrib_sam  # noqa: E402
 from jax.sharding import AxisType  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
@@ -81,17 +82,12 @@ def make_model(width: int, batch: int, mode: AxisType):
   return params, (x, y), loss_fn
 
 
-def _contrib_sam(base):
-  adversary = optax.chain(optax.contrib.normalize(), optax.sgd(RHO))
-  return optax.contrib.sam(base, adversary, opaque_mode=True)
-
-
 # name -> (optimizer from the base, protocol, perturb) with protocol "base", "grad_fn" (contrib.sam),
 # "loss_fn" (the clean gradient passed in), "batch" (micro-batches: update(None, batch=)),
 # "closed" (no clean pass: update(None, loss_fn=)).
 CONTENDERS = {
   "adamw": (lambda base: base, "base", None),
-  "optax.contrib.sam": (_contrib_sam, "grad_fn", None),
+  "optax.contrib.sam": (lambda base: contrib_sam(base, RHO), "grad_fn", None),
   "gsam": (lambda base: optax.chain(optax_gsam.gsam(RHO, ALPHA), base), "loss_fn", None),
   "sam": (lambda base: optax.chain(optax_gsam.sam(RHO), base), "loss_fn", None),
   "momentum_sam": (lambda base: optax.chain(optax_gsam.momentum_sam(RHO), base), "closed", None),

@@ -24,6 +24,7 @@ import functools
 import jax
 import numpy as np
 import optax
+from baselines import contrib_sam
 
 import optax_gsam
 
@@ -34,20 +35,13 @@ from models import ResNet
 from models import ViT
 
 
-def _contrib_sam(
-  base: optax.GradientTransformation, hp: harness.HParams
-) -> optax.GradientTransformation:
-  adversary = optax.chain(optax.contrib.normalize(), optax.sgd(hp.rho))
-  return optax.contrib.sam(base, adversary, opaque_mode=True)
-
-
 def _gsam_every(hp: harness.HParams) -> optax.GradientTransformation:
   return optax_gsam.gsam(hp.rho, hp.alpha, policy=optax_gsam.every_k_policy(5))
 
 
 CONTENDERS: dict[str, Contender] = {
   **{name: harness.CONTENDERS[name] for name in ("base", "sam", "gsam")},
-  "optax.contrib.sam": Contender(_contrib_sam, protocol="grad_fn"),
+  "optax.contrib.sam": Contender(lambda base, hp: contrib_sam(base, hp.rho), protocol="grad_fn"),
   "gsam k=5": Contender(before_base(_gsam_every)),
   "gsam k=5 static": Contender(before_base(_gsam_every)),
 }

@@ -57,6 +57,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from baselines import contrib_sam
 from compiled_hlo import analyse  # the benchmarks folder is on sys.path when a script runs
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -97,11 +98,6 @@ def plain_gsam(loss_fn, params, g_c, alpha):
   return jax.tree.map(lambda gp, gc: gp - alpha * (gc - projection * gp), g_p, g_c)
 
 
-def _contrib_sam(base):
-  adversary = optax.chain(optax.contrib.normalize(), optax.sgd(RHO))
-  return optax.contrib.sam(base, adversary, opaque_mode=True)
-
-
 def _chain(transform):
   return lambda base: optax.chain(transform, base)
 
@@ -114,7 +110,7 @@ CONTENDERS = {
   "adamw": (lambda base: base, "base", None),
   "gsam": (_chain(optax_gsam.gsam(RHO, ALPHA)), "loss_fn", None),
   "sam": (_chain(optax_gsam.sam(RHO)), "loss_fn", None),
-  "optax.contrib.sam": (_contrib_sam, "grad_fn", None),
+  "optax.contrib.sam": (lambda base: contrib_sam(base, RHO), "grad_fn", None),
   "momentum_sam": (_chain(optax_gsam.momentum_sam(RHO)), "closed", None),
   "gsam mb=4": (_chain(optax_gsam.gsam(RHO, ALPHA, microbatches=4)), "batch", None),
   "gsam every-5": (
