@@ -112,6 +112,11 @@ def split_rows(tree: Any, size: int) -> tuple[Any, Any]:
   return head, tail
 
 
+def _full_spec(sharding: Any, ndim: int) -> tuple:
+  """A sharding's partition spec with one entry per dimension (None for the trailing ones)."""
+  return (*sharding.spec, *(None,) * (ndim - len(sharding.spec)))
+
+
 def _blocks_sharding(x: jax.Array, size: int) -> Any:
   """Under explicit axes, the layout of ``x``'s rows as ``[blocks, size, ...]``; else None.
 
@@ -122,7 +127,7 @@ def _blocks_sharding(x: jax.Array, size: int) -> Any:
   sharding = _explicit_sharding(x)
   if sharding is None:
     return None
-  spec = (*sharding.spec, *(None,) * (x.ndim - len(sharding.spec)))
+  spec = _full_spec(sharding, x.ndim)
   rows, rest = spec[0], spec[1:]
   axes = rows if isinstance(rows, tuple) else () if rows is None else (rows,)
   devices = int(np.prod([sharding.mesh.shape[a] for a in axes]))
@@ -135,7 +140,7 @@ def _merge_blocks(x: jax.Array) -> jax.Array:
   sharding = _explicit_sharding(x)
   out = None
   if sharding is not None:
-    spec = (*sharding.spec, *(None,) * (x.ndim - len(sharding.spec)))
+    spec = _full_spec(sharding, x.ndim)
     out = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec[1:]))
   return jax.lax.reshape(x, (x.shape[0] * x.shape[1], *x.shape[2:]), out_sharding=out)
 
