@@ -17,8 +17,9 @@ once, whatever its trip count, so FLOPs of the scanned steps are not comparable 
     python benchmarks/microbatches.py --memory   # compiled temp memory only (no timing)
 
 ``--memory`` compares compiled ``temp_size_in_bytes`` at the same micro-batch size: the
-micro-batched GSAM step against AdamW with its gradient accumulated in a ``lax.scan``, and the
-clean pass alone as :func:`optax_gsam.accumulate_value_and_grad` (a ``lax.scan``) against
+micro-batched GSAM, SAM and SAM ``diagnostics=False`` steps against AdamW with its gradient
+accumulated in a ``lax.scan``, in parameter-sized buffers over it (targets: at most 2, 2 and 1),
+and the clean pass alone as :func:`optax_gsam.accumulate_value_and_grad` (a ``lax.scan``) against
 ``optax.microbatching.microbatch`` (a ``fori_loop`` over a reshaped batch) with a MEAN accumulator.
 
 Writes ``results/microbatches[_quick].json``; targets and results in benchmarks/README.md.
@@ -62,16 +63,20 @@ def loss_fn(params, batch):
   return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
 
-def make_step(name: str):
-  """``(params, opt_state, batch) -> (params, opt_state)`` for one contender."""
+def make_step(name: str, method: str = "gsam", **options):
+  """``(params, opt_state, batch) -> (params, opt_state)`` for one contender.
+
+  ``method``: ``"gsam"`` or ``"sam"``; ``options`` go to it.
+  """
   if name == "base":
     tx = optax.adamw(LR)
   else:
-    kwargs = {}
     if name.startswith("k="):
-      kwargs["microbatches"] = int(name.split()[0][2:])
-      kwargs["perturb_each_microbatch"] = name.endswith("each")
-    tx = optax.chain(optax_gsam.gsam(RHO, ALPHA, **kwargs), optax.adamw(LR))
+      options["microbatches"] = int(name.split()[0][2:])
+      options["perturb_each_microbatch"] = name.endswith("each")
+    transform = optax_gsam.gsam(RHO, ALPHA, **options) if method == "gsam" else None
+    transform = transform or optax_gsam.sam(RHO, **options)
+    tx = optax.chain(transform, optax.adamw(LR))
 
   def step(params, opt_state, batch):
     if name.startswith("k="):
@@ -122,31 +127,48 @@ def temp_bytes(fn, *args) -> int:
   return jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes
 
 
+# Micro-batched step -> (how it is built, the parameter-sized buffers it may hold over AdamW's).
+MEMORY_CONTENDERS = {
+  "gsam": (("gsam", {}), 2),  # the perturbed weights, the perturbed gradient's sum beside g_c
+  "sam": (("sam", {}), 2),  # the diagnostics read g_c after the perturbed pass
+  "sam diagnostics=False": (("sam", {"diagnostics": False}), 1),  # the perturbed weights
+}
+
+
 def measure_memory(batch_size: int, counts: list[int]) -> dict:
-  """Compiled temp MiB per contender and number of micro-batches."""
+  """Compiled temp MiB per contender and number of micro-batches, and the targets' verdicts."""
   params, batch = make_problem(batch_size)
+  param_mib = sum(x.nbytes for x in jax.tree.leaves(params)) / 2**20
   rows: dict[str, dict[str, float]] = {}
+  checks = []
   for k in counts:
-    gsam_tx, gsam_step = make_step(f"k={k}")
     adamw_tx, adamw_step = scanned_adamw_step(k)
-    rows[f"k={k}"] = {
-      "gsam_MiB": temp_bytes(gsam_step, params, gsam_tx.init(params), batch) / 2**20,
-      "adamw_scan_MiB": temp_bytes(adamw_step, params, adamw_tx.init(params), batch) / 2**20,
-      "clean_scan_MiB": temp_bytes(clean_pass("ours", k, batch_size), params, batch) / 2**20,
-      "clean_optax_MiB": temp_bytes(clean_pass("optax", k, batch_size), params, batch) / 2**20,
-    }
-  return rows
+    adamw = temp_bytes(adamw_step, params, adamw_tx.init(params), batch) / 2**20
+    row = {"adamw_scan_MiB": adamw}
+    for name, ((method, options), allowed) in MEMORY_CONTENDERS.items():
+      tx, step = make_step(f"k={k}", method, **options)
+      mib = temp_bytes(step, params, tx.init(params), batch) / 2**20
+      extra = (mib - adamw) / param_mib
+      row[f"{name}_MiB"], row[f"{name}_extra_params"] = mib, extra
+      # Counted to 1% of a buffer: the state's scalars and the batch's index vectors add bytes.
+      what = f"k={k} {name}: params-sized buffers over AdamW scan <= {allowed} (to 1%)"
+      checks.append(harness.check(what, extra, extra <= allowed + 0.01))
+    row["clean_scan_MiB"] = temp_bytes(clean_pass("ours", k, batch_size), params, batch) / 2**20
+    row["clean_optax_MiB"] = temp_bytes(clean_pass("optax", k, batch_size), params, batch) / 2**20
+    rows[f"k={k}"] = row
+  return {"param_MiB": param_mib, "rows": rows, "checks": checks}
 
 
 def memory_table(rows: dict) -> str:
-  cells = [("k", "GSAM", "AdamW scan", "GSAM / AdamW", "clean: scan", "clean: optax.microbatch")]
-  for name, row in rows.items():
+  names = list(MEMORY_CONTENDERS)
+  cells = [("k", "AdamW scan", *[f"{n} (+params)" for n in names], "clean: scan", "clean: optax")]
+  for k, row in rows.items():
+    found = [f"{row[f'{n}_MiB']:.2f} (+{row[f'{n}_extra_params']:.2f})" for n in names]
     cells.append(
       (
-        name,
-        f"{row['gsam_MiB']:.2f}",
+        k,
         f"{row['adamw_scan_MiB']:.2f}",
-        f"{row['gsam_MiB'] / row['adamw_scan_MiB']:.2f}",
+        *found,
         f"{row['clean_scan_MiB']:.2f}",
         f"{row['clean_optax_MiB']:.2f}",
       )
@@ -208,11 +230,12 @@ def main(argv: list[str] | None = None) -> dict:
   batch_size = args.batch or (512 if args.quick else 2048)
   if args.memory:
     counts = [2, 4] if args.quick else [2, 4, 8]
-    rows = measure_memory(batch_size, counts)
-    print(f"compiled temp MiB, global batch {batch_size}, MLP {FEATURES}-{WIDTH}-{WIDTH}-10")
-    print(memory_table(rows))
+    found = measure_memory(batch_size, counts)
+    print(f"compiled temp MiB, global batch {batch_size}, MLP {FEATURES}-{WIDTH}-{WIDTH}-10, ")
+    print(f"params {found['param_MiB']:.2f} MiB; (+n): n params-sized buffers over AdamW scan")
+    print(memory_table(found["rows"]))
     mode = "quick" if args.quick else "full"
-    result = {"batch": batch_size, "counts": counts, "rows": rows}
+    result = {"batch": batch_size, "counts": counts, **found}
     return harness.save("microbatches", mode, result, args.out_dir, argv, suffix="_memory")
   counts = [2, 4] if args.quick else [2, 4, 8, 16]
   rounds = args.rounds or (3 if args.quick else 15)

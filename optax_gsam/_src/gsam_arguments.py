@@ -110,6 +110,7 @@ def validated(settings: step.Settings) -> step.Settings:
   for name, flag in (
     ("minimize_fp", settings.minimize_fp),
     ("sync_perturbation", settings.sync_perturbation),
+    ("diagnostics", settings.diagnostics),
   ):
     if not isinstance(flag, bool):
       raise ValueError(f"{name} must be a bool, got {flag!r}.")

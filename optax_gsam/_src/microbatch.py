@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from optax_gsam._src.arrays import conform
 from optax_gsam._src.arrays import zeros_accumulator
 from optax_gsam._src.user_functions import ValueAndGradFn
 from optax_gsam._src.user_functions import ValueAndGradWithArgsFn
@@ -88,20 +89,33 @@ def microbatch_fns(
   return lambda index: lambda params: grad_fn(params, slice_of(index))
 
 
-def average_over(num_microbatches: int, result_of: Callable[[jax.Array], Any]) -> Any:
+def average_over(
+  num_microbatches: int, result_of: Callable[[jax.Array], Any], like: Any = None
+) -> Any:
   """The mean of ``result_of(i)`` over ``i < num_microbatches``, one ``i`` live at a time.
 
   A ``lax.scan`` whose carry is the running sum, in float32 at least; the mean
   is divided once at the end.
+
+  ``like``, a tree of arrays shaped like the result (the params, for a
+  gradient), gives the sum's buffer: the carry starts as ``like`` and is zeroed
+  in the first step, so its values are never read. Started from constant
+  zeros instead, two such scans in one program (the clean and the perturbed
+  pass) would share one broadcast, which XLA then keeps, a params-sized
+  buffer, from the first scan to the second.
   """
   indices = jnp.arange(num_microbatches, dtype=jnp.int32)
+  shapes = jax.eval_shape(result_of, indices[0])
+  initial = jax.tree.map(zeros_accumulator, shapes)
+  if like is not None:
+    initial = jax.tree.map(lambda x, z: conform(x, z), like, initial)
 
   def body(total, index):
     result = result_of(index)
+    if like is not None:
+      total = jax.tree.map(lambda t: jnp.where(index == 0, jnp.zeros_like(t), t), total)
     return jax.tree.map(lambda t, x: t + x.astype(t.dtype), total, result), None
 
-  shapes = jax.eval_shape(result_of, indices[0])
-  initial = jax.tree.map(zeros_accumulator, shapes)
   total, _ = jax.lax.scan(body, initial, indices)
   return jax.tree.map(lambda t: t / num_microbatches, total)
 
@@ -118,7 +132,7 @@ def accumulated(fns: MicrobatchFn, num_microbatches: int) -> ValueAndGradFn:
       value, grads = fns(index)(params)
       return scalar_loss(value), grads
 
-    loss, grads = average_over(num_microbatches, of)
+    loss, grads = average_over(num_microbatches, of, like=(jnp.zeros([]), params))
     return loss, optax.tree.cast_like(grads, params)
 
   return value_and_grad

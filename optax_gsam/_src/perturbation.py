@@ -95,8 +95,14 @@ def _scaled_dot(a: optax.Params, b: optax.Params, exp_a: jax.Array, exp_b: jax.A
 
 
 def _scaled_norm(tree: optax.Params, exponent: jax.Array) -> jax.Array:
-  """The norm of ``tree`` scaled by 2^-exponent."""
-  return jnp.sqrt(_scaled_dot(tree, tree, exponent, exponent))
+  """The norm of ``tree`` scaled by 2^-exponent.
+
+  The squares are taken at half that scale, and the root doubled (exact): an inner product
+  with ``tree`` (the cosine, after the perturbed pass) then shares no scaled copy of it with
+  this norm (the ascent's, before that pass). Shared, XLA keeps the copy, one params-sized
+  buffer, live through the whole perturbed pass.
+  """
+  return 2 * jnp.sqrt(_scaled_dot(tree, tree, exponent + 1, exponent + 1))
 
 
 def _unscale(value: jax.Array, exponent: jax.Array) -> jax.Array:

@@ -238,6 +238,7 @@ def gsam(
   axis_name: AxisName = None,
   check_axis: bool = True,
   on_nonfinite: str = "propagate",
+  diagnostics: bool = True,
   # Deprecated aliases, kept working with a DeprecationWarning (see gsam_arguments).
   adaptive: Adaptive = None,
   perturb_every: int | None = None,
@@ -397,6 +398,12 @@ def gsam(
     policy: when to take the full step (see above); ``None`` is
       :func:`optax_gsam.every_step_policy`.
     on_nonfinite: ``"propagate"`` or ``"clean"`` (see above).
+    diagnostics: record each full step's gradient statistics (the state's
+      ``cosine``, ``clean_grad_norm`` and ``perturbed_grad_norm``). ``False``
+      leaves them 0 and does not compute them: :func:`sam` then reads the clean
+      gradient only to perturb, so it is freed before the perturbed pass ends
+      (one params-sized buffer less; GSAM's decomposition needs it anyway). The
+      losses are always recorded.
     check_axis: with ``axis_name=None``, raise a ``ValueError`` when ``update``
       runs under a mapped axis (``jax.pmap``, ``jax.shard_map``, a named
       ``jax.vmap``), where each replica would perturb with its own gradient and
@@ -474,6 +481,7 @@ def gsam(
     axis_name=axis_name,
     check_axis=check_axis,
     on_nonfinite=on_nonfinite,
+    diagnostics=diagnostics,
     adaptive=adaptive,
     perturb_every=perturb_every,
     reuse_weight=reuse_weight,
@@ -495,6 +503,7 @@ def sam(
   axis_name: AxisName = None,
   check_axis: bool = True,
   on_nonfinite: str = "propagate",
+  diagnostics: bool = True,
   # Deprecated aliases, kept working with a DeprecationWarning (see gsam_arguments).
   adaptive: Adaptive = None,
   perturb_every: int | None = None,
@@ -549,6 +558,7 @@ def sam(
     axis_name=axis_name,
     check_axis=check_axis,
     on_nonfinite=on_nonfinite,
+    diagnostics=diagnostics,
     adaptive=adaptive,
     perturb_every=perturb_every,
     reuse_weight=reuse_weight,

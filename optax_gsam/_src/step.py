@@ -64,6 +64,7 @@ class Settings(NamedTuple):
   ascent_steps: int = 1
   mask: Any = None
   microbatches: int | None = None  # whole-batch semantics, accumulated over this many
+  diagnostics: bool = True  # False: no gradient statistics, where the output does not need them
 
   @property
   def direction(self) -> optax.GradientTransformation:
@@ -303,7 +304,9 @@ def full_step(
     settings, rho, clean_grads, params, grad_fn, ascent_state
   )
   perturbed_loss = scalar_loss(perturbed_value)
-  stats = pert.gradient_stats(clean_grads, perturbed_grads)
+  stats = None
+  if settings.diagnostics or not settings.is_sam:  # GSAM's decomposition reads them too
+    stats = pert.gradient_stats(clean_grads, perturbed_grads)
   if settings.is_sam:
     gradient = optax.tree.cast_like(perturbed_grads, clean_grads)
   else:
@@ -316,13 +319,14 @@ def full_step(
       stats=stats,
     )
   gap = perturbed_loss - clean_loss if clean_loss is not None else jnp.zeros([], jnp.float32)
-  diagnostics = Diagnostics(
-    perturbed_loss=perturbed_loss,
-    surrogate_gap=gap,
-    cosine=stats.cosine.astype(jnp.float32),
-    clean_grad_norm=stats.clean_norm.astype(jnp.float32),
-    perturbed_grad_norm=stats.perturbed_norm.astype(jnp.float32),
-  )
+  # Without them, SAM reads the clean gradient only in the ascent, so XLA frees it before the
+  # perturbed pass ends (one params-sized buffer); the statistics stay 0.
+  recorded = [jnp.zeros([], jnp.float32)] * 3
+  if settings.diagnostics and stats is not None:
+    recorded = [
+      x.astype(jnp.float32) for x in (stats.cosine, stats.clean_norm, stats.perturbed_norm)
+    ]
+  diagnostics = Diagnostics(perturbed_loss, gap, *recorded)
   stored = None
   if settings.policy.stores_direction:
     stored = pert.reuse_component(gradient, clean_grads, eps=settings.eps)
