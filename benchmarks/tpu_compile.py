@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import os
 import pathlib
@@ -61,6 +62,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from baselines import contrib_sam
+from baselines import plain_gsam_gradient
 from compiled_hlo import HBM_BYTES  # the benchmarks folder is on sys.path when a script runs
 from compiled_hlo import analyse
 from compiled_hlo import collectives as collectives  # re-exported for the tests
@@ -68,13 +70,16 @@ from compiled_hlo import out_of_memory
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from jax.sharding import SingleDeviceSharding
+from reporting import check
 from reporting import code_version
-from reporting import render_table
+from tpu_report import format_table
+from tpu_report import targets
 from tpu_search import MAX_PROBE_BATCH as MAX_PROBE_BATCH  # re-exported for the tests
 from tpu_search import fits
 from tpu_search import format_max_batch_table as format_max_batch_table
 from tpu_search import format_microbatch_table
 from tpu_search import largest_batch
+from tpu_search import microbatch_targets
 from tpu_vit import VIT_B32
 from tpu_vit import VIT_QUICK
 from tpu_vit import ViT
@@ -107,23 +112,6 @@ class HParams:
   alpha: float = 0.4
 
 
-def plain_gsam_gradient(loss_fn, params, g_c, rho, alpha, axis):
-  """GSAM from the paper's formulas: per-device perturbation, one pmean of the result.
-
-  e = rho g_c / |g_c|, g_p = grad f(w + e),
-  g = g_p - alpha (g_c - <g_c, g_p> / |g_p|^2 g_p), averaged over ``axis``.
-  """
-  dot = lambda a, b: sum(
-    jnp.vdot(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
-  )
-  scale = rho / jnp.sqrt(dot(g_c, g_c))
-  perturbed = jax.tree.map(lambda w, g: w + scale * g, params, g_c)
-  g_p = jax.grad(loss_fn)(perturbed)
-  projection = dot(g_c, g_p) / dot(g_p, g_p)
-  g = jax.tree.map(lambda gp, gc: gp - alpha * (gc - projection * gp), g_p, g_c)
-  return jax.lax.pmean(g, axis)
-
-
 def _policy_gsam(hp, **kw):
   return optax_gsam.gsam(hp.rho, hp.alpha, axis_name=AXIS, **kw)
 
@@ -141,6 +129,7 @@ class Contender:
   make: Callable[[optax.GradientTransformation, HParams], optax.GradientTransformation]
   protocol: str = "loss_fn"
   perturb: bool | None = None
+  microbatches: int = 1  # the ``"scan"`` protocol's (AdamW accumulated in a lax.scan)
 
 
 CONTENDERS = {
@@ -160,6 +149,9 @@ CONTENDERS = {
     perturb=False,
   ),
   "sam": Contender(lambda base, hp: optax.chain(optax_gsam.sam(hp.rho, axis_name=AXIS), base)),
+  "sam diagnostics=False": Contender(
+    lambda base, hp: optax.chain(optax_gsam.sam(hp.rho, axis_name=AXIS, diagnostics=False), base)
+  ),
   "gsam k=5 cond": Contender(
     lambda base, hp: optax.chain(_policy_gsam(hp, policy=optax_gsam.every_k_policy(5)), base)
   ),
@@ -176,21 +168,37 @@ CONTENDERS = {
 }
 
 
-def microbatch_contender(k: int, semantics: str = "whole") -> Contender:
-  """Per-device GSAM over ``k`` micro-batches of each core's batch.
+def microbatch_contender(k: int, semantics: str = "whole", method: str = "gsam") -> Contender:
+  """Per-device ``method`` over ``k`` micro-batches of each core's batch.
 
-  ``semantics``: ``"whole"`` (``update(None, ...)``: the transform accumulates
-  the clean gradient too, one micro-batch's activations live), ``"each"``
-  (``perturb_each_microbatch=True``) or ``"given"`` (whole batch, the caller's
-  whole-batch clean gradient passed: the whole batch's activations live).
+  ``method``: a key of ``MICROBATCH_METHODS``, the transform's options, or
+  ``"adamw scan"``: AdamW with the gradient accumulated over the micro-batches
+  in a ``lax.scan`` written here, the baseline. ``semantics``: ``"whole"``
+  (``update(None, ...)``: the transform accumulates the clean gradient too, one
+  micro-batch's activations live), ``"each"`` (``perturb_each_microbatch=True``)
+  or ``"given"`` (whole batch, the caller's whole-batch clean gradient passed:
+  the whole batch's activations live).
   """
+  if method == MICROBATCH_BASELINE:
+    return Contender(lambda base, hp: base, "scan", microbatches=k)
+  factory, options = MICROBATCH_METHODS[method]
   each = semantics == "each"
   make = lambda base, hp: optax.chain(
-    _policy_gsam(hp, microbatches=k, perturb_each_microbatch=each), base
+    factory(hp)(microbatches=k, perturb_each_microbatch=each, **options), base
   )
   return Contender(make, "microbatch given" if semantics == "given" else "microbatch")
 
 
+# name -> (hparams -> the transform's factory, its options)
+MICROBATCH_METHODS = {
+  "gsam": (lambda hp: lambda **kw: _policy_gsam(hp, **kw), {}),
+  "sam": (lambda hp: lambda **kw: optax_gsam.sam(hp.rho, axis_name=AXIS, **kw), {}),
+  "sam diagnostics=False": (
+    lambda hp: lambda **kw: optax_gsam.sam(hp.rho, axis_name=AXIS, **kw),
+    {"diagnostics": False},
+  ),
+}
+MICROBATCH_BASELINE = "adamw scan"
 MICROBATCH_SEMANTICS = {"whole": "", "each": " each", "given": " given"}
 MICROBATCHES = 8  # the --max-batch contenders' micro-batch count
 CONTENDERS.update(
@@ -218,6 +226,16 @@ def make_step(model, contender: Contender, hp: HParams):
       gsam_state = opt_state[0]  # The clean loss, without another pass:
       loss = gsam_state.perturbed_loss - gsam_state.surrogate_gap
       return optax.apply_updates(params, updates), opt_state, jax.lax.pmean(loss, AXIS)
+    if contender.protocol == "scan":  # The baseline: a lax.scan over the micro-batches.
+      k = contender.microbatches
+      pieces = jax.tree.map(lambda a: a.reshape(k, -1, *a.shape[1:]), batch)
+      grad_of = jax.value_and_grad(loss_of)
+      add = lambda total, piece: (jax.tree.map(jnp.add, total, grad_of(params, *piece)), None)
+      zeros = (jnp.zeros([]), jax.tree.map(jnp.zeros_like, params))
+      (loss, grads), _ = jax.lax.scan(add, zeros, pieces)
+      grads = jax.tree.map(lambda g: g / k, grads)
+      updates, opt_state = tx.update(jax.lax.pmean(grads, AXIS), opt_state, params)
+      return optax.apply_updates(params, updates), opt_state, jax.lax.pmean(loss / k, AXIS)
     if contender.protocol == "momentum":  # One gradient, at the perturbed weights.
       zeros = optax.tree.zeros_like(params)
       updates, opt_state = tx.update(zeros, opt_state, params, loss_fn=loss_fn)
@@ -351,86 +369,6 @@ def gradient_cache_table(batches, chunk, tile) -> dict[str, dict[str, Any]]:
   return {"config": config, "chunk_size": chunk, "tile_size": tile, "temp": table}
 
 
-# ----------------------------------------------------------------------------- report
-
-
-def _all_reduce_bytes(row) -> int:
-  return row["collectives"].get("all-reduce", {}).get("bytes", 0)
-
-
-def format_table(rows: list[dict]) -> str:
-  header = (
-    "dtype", "contender", "peak GiB", "temp GiB", "args GiB", "fits", "GFLOPs", "/ base",
-    "GB accessed", "est. ms", "all-reduce (n, MB)", "other collectives",
-  )  # fmt: skip
-  cells = [header]
-  base = {r["dtype"]: r for r in rows if r["contender"] == "adamw"}
-  for r in rows:
-    b = base.get(r["dtype"])
-    others = ", ".join(
-      f"{k} {v['count']}x {v['bytes'] / 1e6:.2f}MB"
-      for k, v in r["collectives"].items()
-      if k != "all-reduce"
-    )
-    ar = r["collectives"].get("all-reduce", {"count": 0, "bytes": 0})
-    cells.append(
-      (
-        r["dtype"],
-        r["contender"],
-        f"{r['peak_bytes'] / GiB:.3f}",
-        f"{r['temp_bytes'] / GiB:.3f}",
-        f"{r['argument_bytes'] / GiB:.3f}",
-        "yes" if r["fits_16GiB"] else "NO",
-        f"{r['flops'] / 1e9:.1f}",
-        f"{r['flops'] / b['flops']:.3f}" if b else "-",
-        f"{r['bytes_accessed'] / 1e9:.2f}",
-        f"{1e3 * r['optimal_seconds']:.1f}",
-        f"{ar['count']}, {ar['bytes'] / 1e6:.3f}",
-        others or "-",
-      )
-    )
-  return render_table(cells)
-
-
-def _ratio(rows, dtype, name, other, key) -> float | None:
-  by = {r["contender"]: r for r in rows if r["dtype"] == dtype}
-  if name not in by or other not in by:
-    return None
-  get = (lambda r: _all_reduce_bytes(r)) if key == "all_reduce_bytes" else (lambda r: r[key])
-  return get(by[name]) / get(by[other])
-
-
-def targets(rows: list[dict]) -> list[tuple[str, float | None, bool | None]]:
-  """The targets that these compiles can check: (what, figure, met)."""
-  out = []
-  for dtype in sorted({r["dtype"] for r in rows}):
-    by = {r["contender"]: r for r in rows if r["dtype"] == dtype}
-    check = lambda what, value, ok, dtype=dtype: out.append((f"{dtype}: {what}", value, ok))
-    ratio = lambda *a, dtype=dtype: _ratio(rows, dtype, *a)
-    if (x := ratio("gsam", "adamw", "all_reduce_bytes")) is not None:
-      check("gsam all-reduce bytes / adamw == 1.000", x, abs(x - 1) < 5e-4)
-    if (x := ratio("gsam sync", "adamw", "all_reduce_bytes")) is not None:
-      extra = _all_reduce_bytes(by["gsam sync"]) - _all_reduce_bytes(by["gsam"])
-      check("gsam sync extra all-reduce bytes / param bytes == 1.000", extra / by["gsam"]["param_bytes"],
-            abs(extra / by["gsam"]["param_bytes"] - 1) < 5e-4)  # fmt: skip
-    if (x := ratio("gsam", "adamw", "flops")) is not None:
-      check("gsam flops / adamw <= 2.01", x, x <= 2.01)
-    if "gsam" in by and "adamw" in by:
-      limit = by["adamw"]["peak_bytes"] + 2 * by["gsam"]["param_bytes"]
-      x = by["gsam"]["peak_bytes"] / limit
-      check("gsam peak / (adamw peak + 2 x param bytes) <= 1", x, x <= 1)
-    if (x := ratio("gsam", "optax.contrib.sam", "peak_bytes")) is not None:
-      check("gsam peak / optax.contrib.sam peak <= 1", x, x <= 1)
-    for key in ("peak_bytes", "optimal_seconds"):
-      if (x := ratio("gsam", "plain gsam", key)) is not None:
-        check(f"gsam {key} / plain gsam within 2%", x, abs(x - 1) <= 0.02)
-    if {"gsam k=5 full", "gsam k=5 cheap", "adamw"} <= by.keys():
-      cycle = (by["gsam k=5 full"]["flops"] + 4 * by["gsam k=5 cheap"]["flops"]) / 5
-      x = cycle / by["adamw"]["flops"]
-      check("gsam k=5 static cycle flops / adamw <= 1.21", x, x <= 1.21)
-  return out
-
-
 def parse_args(argv):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true", help="small ViT for a v3-8")
@@ -455,6 +393,13 @@ def parse_args(argv):
   )  # fmt: skip
   parser.add_argument(
     "--semantics", nargs="+", choices=list(MICROBATCH_SEMANTICS), default=["whole", "each"]
+  )
+  parser.add_argument(
+    "--methods",
+    nargs="+",
+    choices=list(MICROBATCH_METHODS),
+    default=["gsam"],
+    help="with --microbatches: the transforms, each beside the AdamW scan",
   )
   parser.add_argument("--out", type=pathlib.Path, default=None)
   parser.add_argument(
@@ -523,10 +468,11 @@ def microbatch_probes(args, mesh, result) -> None:
   old = json.loads(args.out.read_text())["rows"] if args.out.exists() else []
   rows = result["rows"] = old
   for dtype in args.dtypes:
-    for k in args.microbatches:
-      for semantics in args.semantics:
-        name = f"gsam mb={k}{MICROBATCH_SEMANTICS[semantics]}"
-        contender = microbatch_contender(k, semantics)
+    methods = [*args.methods, MICROBATCH_BASELINE]
+    for k, method, semantics in itertools.product(args.microbatches, methods, args.semantics):
+      if method != MICROBATCH_BASELINE or semantics == "whole":
+        name = f"{method} mb={k}{MICROBATCH_SEMANTICS[semantics]}"
+        contender = microbatch_contender(k, semantics, method)
         found = _probe_with_cost(mesh, args.config, DTYPES[dtype], contender, args.per_core_batch)
         key = (dtype, name, args.per_core_batch)
         rows[:] = [r for r in rows if (r["dtype"], r["contender"], r["batch"]) != key]
@@ -535,6 +481,7 @@ def microbatch_probes(args, mesh, result) -> None:
         print(f"  {dtype} {name} at {args.per_core_batch}: peak {peak:.3f} GiB", flush=True)
         _write(args.out, result)
   print(format_microbatch_table(rows))
+  result["targets"] = [check(*t) for t in microbatch_targets(rows, MICROBATCH_BASELINE)]
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -103,3 +103,26 @@ def format_microbatch_table(rows: list[dict]) -> str:
       f"{r['flops'] / 1e9:.1f}" if r["compiles"] else "-",
     ))  # fmt: skip
   return render_table(cells) + "\n* a scan's body counted once, whatever its trip count"
+
+
+# Micro-batched transform -> the parameter-sized buffers it may hold over the AdamW scan's peak.
+MICROBATCH_ALLOWANCE = {"gsam": 2, "sam": 2, "sam diagnostics=False": 1}
+
+
+def microbatch_targets(rows: list[dict], baseline: str) -> list[tuple[str, float, bool]]:
+  """Each transform's peak over ``baseline``'s at the same dtype, batch and micro-batches.
+
+  In parameter-sized buffers, counted to 1% of one (scalars and index vectors add bytes).
+  """
+  out = []
+  by = {(r["dtype"], r["contender"], r["batch"]): r for r in rows if r["compiles"]}
+  for (dtype, name, batch), row in sorted(by.items()):
+    method, _, count = name.rpartition(" mb=")
+    base = by.get((dtype, f"{baseline} mb={count}", batch))
+    if method not in MICROBATCH_ALLOWANCE or base is None:
+      continue
+    extra = (row["peak_bytes"] - base["peak_bytes"]) / row["param_bytes"]
+    allowed = MICROBATCH_ALLOWANCE[method]
+    what = f"{dtype} {name} at {batch}: params-sized buffers over {baseline} <= {allowed}"
+    out.append((what, extra, extra <= allowed + 0.01))
+  return out
