@@ -2,6 +2,7 @@
 
 import functools
 import inspect
+import typing
 
 import jax
 import jax.numpy as jnp
@@ -513,8 +514,8 @@ def test_one_gradient_spike_stops_full_steps_for_a_few_times_one_over_one_minus_
 def test_arguments_annotated_as_schedules_take_schedules():
   # optax's common tests pass a schedule to an argument annotated optax.ScalarOrSchedule.
   for factory in (optax_gsam.gsam, optax_gsam.sam):
-    parameters = inspect.signature(factory, eval_str=True).parameters.items()
-    names = [n for n, p in parameters if p.annotation == optax.ScalarOrSchedule]
+    hints = typing.get_type_hints(factory)
+    names = [n for n in inspect.signature(factory).parameters if hints[n] == optax.ScalarOrSchedule]
     assert names == ["rho", "reuse_weight"], factory.__name__
   factory = optax_gsam.gsam  # sam is gsam with alpha=0
   p, loss_fn = float32_problem(seed=5)

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import warnings
 from typing import Any
+from typing import TypedDict
+
+import optax
 
 from optax_gsam._src import microbatch_state as micro
 from optax_gsam._src import perturbation as pert
@@ -24,8 +27,55 @@ from optax_gsam._src.validation import check_non_negative
 from optax_gsam._src.validation import check_positive
 from optax_gsam._src.validation import check_positive_int
 from optax_gsam._src.validation import check_update_inputs
+from optax_gsam.typing import Adaptive
+from optax_gsam.typing import AxisName
 
 ON_NONFINITE_CHOICES = ("propagate", "clean")
+
+
+class SharpnessOptions(TypedDict, total=False):
+  """The keywords :func:`optax_gsam.gsam` and :func:`optax_gsam.sam` share, documented in gsam's
+  docstring; their defaults are :data:`SHARPNESS_DEFAULTS`."""
+
+  eps: float
+  ascent: optax.GradientTransformation | None
+  ascent_steps: int | None
+  mask: Any
+  policy: SharpnessPolicy | None
+  microbatches: int | None
+  perturb_each_microbatch: bool
+  sync_perturbation: bool
+  axis_name: AxisName
+  check_axis: bool
+  on_nonfinite: str
+  diagnostics: bool
+  # Deprecated aliases (DEPRECATED_KEYWORDS), kept working with a DeprecationWarning.
+  adaptive: Adaptive
+  perturb_every: int | None
+  # Annotated as optax's common tests look for schedule arguments; None is "not given", which
+  # optax.inject_hyperparams leaves static (a numeric default would be injected and "given").
+  reuse_weight: optax.ScalarOrSchedule
+  num_groups: int | None
+
+
+SHARPNESS_DEFAULTS: dict[str, Any] = dict(
+  eps=1e-12,
+  ascent=None,
+  ascent_steps=None,
+  mask=None,
+  policy=None,
+  microbatches=None,
+  perturb_each_microbatch=False,
+  sync_perturbation=False,
+  axis_name=None,
+  check_axis=True,
+  on_nonfinite="propagate",
+  diagnostics=True,
+  adaptive=None,
+  perturb_every=None,
+  reuse_weight=None,
+  num_groups=None,
+)
 
 # Deprecated keyword of gsam and sam -> what to write instead.
 DEPRECATED_KEYWORDS = {
@@ -36,19 +86,20 @@ DEPRECATED_KEYWORDS = {
 }
 
 
-def warn_deprecated(factory: str, **given: Any) -> None:
-  """One ``DeprecationWarning`` for the deprecated keywords given to ``factory``, if any.
+def warn_deprecated(factory: str, given: Any, stacklevel: int) -> None:
+  """One ``DeprecationWarning`` for the deprecated keywords in ``given`` (a mapping), if any.
 
-  ``None`` means not given. The warning points at the caller of ``factory``.
+  ``None`` means not given. ``stacklevel`` is ``warnings.warn``'s, from this function: the
+  warning points at the caller of ``factory``.
   """
-  used = [name for name, value in given.items() if value is not None]
+  used = [name for name in DEPRECATED_KEYWORDS if given.get(name) is not None]
   if not used:
     return
   fixes = "; ".join(f"{name}= (write {DEPRECATED_KEYWORDS[name]} instead)" for name in used)
   warnings.warn(
     f"optax_gsam.{factory}: deprecated keyword, to be removed after 1.0: {fixes}.",
     DeprecationWarning,
-    stacklevel=3,
+    stacklevel=stacklevel + 1,
   )
 
 

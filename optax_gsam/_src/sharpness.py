@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 from typing import Any
 from typing import NamedTuple
 
@@ -22,19 +23,22 @@ from optax_gsam._src import microbatch_state as micro
 from optax_gsam._src import step
 from optax_gsam._src.arrays import numbers_as_arrays
 from optax_gsam._src.ascent_checks import check_direction
+from optax_gsam._src.gsam_arguments import SHARPNESS_DEFAULTS
+from optax_gsam._src.gsam_arguments import SharpnessOptions
 from optax_gsam._src.gsam_arguments import check_call_arguments
 from optax_gsam._src.gsam_arguments import check_update
 from optax_gsam._src.gsam_arguments import microbatch_settings
 from optax_gsam._src.gsam_arguments import validated
 from optax_gsam._src.gsam_arguments import warn_deprecated
+from optax_gsam._src.keywords import takes_keywords
 from optax_gsam._src.placement import check_not_in_multisteps
 from optax_gsam._src.placement import check_placement
-from optax_gsam._src.policies import SharpnessPolicy
 from optax_gsam._src.policies import keep_unless_counted
 from optax_gsam._src.policies import policy_from_arguments
 from optax_gsam._src.user_functions import scalar_loss
-from optax_gsam.typing import Adaptive
-from optax_gsam.typing import AxisName
+
+if TYPE_CHECKING:  # PEP 692's Unpack is typing's own from Python 3.12
+  from typing_extensions import Unpack
 
 
 class GSAMState(NamedTuple):
@@ -222,30 +226,13 @@ def _update_fn(settings: step.Settings, rho: optax.ScalarOrSchedule, check_axis:
   return update_fn
 
 
+@takes_keywords(SharpnessOptions, SHARPNESS_DEFAULTS)
 def gsam(
   rho: optax.ScalarOrSchedule,
   alpha: float | jax.Array = 0.0,
   *,
   minimize_fp: bool = True,
-  eps: float = 1e-12,
-  ascent: optax.GradientTransformation | None = None,
-  ascent_steps: int | None = None,
-  mask: Any = None,
-  policy: SharpnessPolicy | None = None,
-  microbatches: int | None = None,
-  perturb_each_microbatch: bool = False,
-  sync_perturbation: bool = False,
-  axis_name: AxisName = None,
-  check_axis: bool = True,
-  on_nonfinite: str = "propagate",
-  diagnostics: bool = True,
-  # Deprecated aliases, kept working with a DeprecationWarning (see gsam_arguments).
-  adaptive: Adaptive = None,
-  perturb_every: int | None = None,
-  # Annotated as optax's common tests look for schedule arguments; None is "not given", which
-  # optax.inject_hyperparams leaves static (a numeric default would be injected and "given").
-  reuse_weight: optax.ScalarOrSchedule = None,
-  num_groups: int | None = None,
+  **options: Unpack[SharpnessOptions],
 ) -> optax.GradientTransformationExtraArgs:
   r"""Surrogate Gap Guided Sharpness-Aware Minimization (GSAM).
 
@@ -459,58 +446,12 @@ def gsam(
     Liu et al., `Towards Efficient and Scalable Sharpness-Aware Minimization
     <https://arxiv.org/abs/2203.02714>`_, CVPR 2022.
   """
-  warn_deprecated(
-    "gsam",
-    adaptive=adaptive,
-    perturb_every=perturb_every,
-    reuse_weight=reuse_weight,
-    num_groups=num_groups,
-  )
-  return _transform(
-    rho,
-    alpha,
-    minimize_fp=minimize_fp,
-    eps=eps,
-    ascent=ascent,
-    ascent_steps=ascent_steps,
-    mask=mask,
-    policy=policy,
-    microbatches=microbatches,
-    perturb_each_microbatch=perturb_each_microbatch,
-    sync_perturbation=sync_perturbation,
-    axis_name=axis_name,
-    check_axis=check_axis,
-    on_nonfinite=on_nonfinite,
-    diagnostics=diagnostics,
-    adaptive=adaptive,
-    perturb_every=perturb_every,
-    reuse_weight=reuse_weight,
-    num_groups=num_groups,
-  )
+  return _transform("gsam", rho, alpha, minimize_fp, options)
 
 
+@takes_keywords(SharpnessOptions, SHARPNESS_DEFAULTS)
 def sam(
-  rho: optax.ScalarOrSchedule,
-  *,
-  eps: float = 1e-12,
-  ascent: optax.GradientTransformation | None = None,
-  ascent_steps: int | None = None,
-  mask: Any = None,
-  policy: SharpnessPolicy | None = None,
-  microbatches: int | None = None,
-  perturb_each_microbatch: bool = False,
-  sync_perturbation: bool = False,
-  axis_name: AxisName = None,
-  check_axis: bool = True,
-  on_nonfinite: str = "propagate",
-  diagnostics: bool = True,
-  # Deprecated aliases, kept working with a DeprecationWarning (see gsam_arguments).
-  adaptive: Adaptive = None,
-  perturb_every: int | None = None,
-  # Annotated as optax's common tests look for schedule arguments; None is "not given", which
-  # optax.inject_hyperparams leaves static (a numeric default would be injected and "given").
-  reuse_weight: optax.ScalarOrSchedule = None,
-  num_groups: int | None = None,
+  rho: optax.ScalarOrSchedule, **options: Unpack[SharpnessOptions]
 ) -> optax.GradientTransformationExtraArgs:
   r"""Sharpness-Aware Minimization (SAM): :func:`gsam` with ``alpha=0``.
 
@@ -536,38 +477,20 @@ def sam(
     Foret et al., `Sharpness-Aware Minimization for Efficiently Improving
     Generalization <https://arxiv.org/abs/2010.01412>`_, ICLR 2021.
   """
-  warn_deprecated(
-    "sam",
-    adaptive=adaptive,
-    perturb_every=perturb_every,
-    reuse_weight=reuse_weight,
-    num_groups=num_groups,
-  )
-  return _transform(
-    rho,
-    0.0,
-    minimize_fp=True,
-    eps=eps,
-    ascent=ascent,
-    ascent_steps=ascent_steps,
-    mask=mask,
-    policy=policy,
-    microbatches=microbatches,
-    perturb_each_microbatch=perturb_each_microbatch,
-    sync_perturbation=sync_perturbation,
-    axis_name=axis_name,
-    check_axis=check_axis,
-    on_nonfinite=on_nonfinite,
-    diagnostics=diagnostics,
-    adaptive=adaptive,
-    perturb_every=perturb_every,
-    reuse_weight=reuse_weight,
-    num_groups=num_groups,
-  )
+  return _transform("sam", rho, 0.0, True, options)
 
 
-def _transform(rho, alpha, *, check_axis, num_groups, perturb_every, reuse_weight, **arguments):
-  """The transform of :func:`gsam`'s arguments, validated; the aliases read as their replacements."""
+def _transform(factory, rho, alpha, minimize_fp, options):
+  """The transform of ``factory``'s arguments, validated; the aliases read as their replacements.
+
+  ``options`` holds every keyword of :class:`SharpnessOptions` (the defaults filled in).
+  """
+  # Counted from warn_deprecated: _transform, gsam or sam, the wrapper of takes_keywords, then
+  # the caller the warning names.
+  warn_deprecated(factory, options, stacklevel=4)
+  arguments = dict(options)
+  check_axis, num_groups = arguments.pop("check_axis"), arguments.pop("num_groups")
+  perturb_every, reuse_weight = arguments.pop("perturb_every"), arguments.pop("reuse_weight")
   check_call_arguments(rho, num_groups, perturb_every, check_axis)
   policy = policy_from_arguments(arguments.pop("policy"), perturb_every, reuse_weight)
   num_groups, whole_batch_microbatches = microbatch_settings(
@@ -580,6 +503,7 @@ def _transform(rho, alpha, *, check_axis, num_groups, perturb_every, reuse_weigh
   settings = validated(
     step.Settings(
       alpha=alpha,
+      minimize_fp=minimize_fp,
       num_groups=num_groups,
       policy=policy,
       ascent_steps=1 if ascent_steps is None else ascent_steps,
