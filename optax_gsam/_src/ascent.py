@@ -30,6 +30,7 @@ over the data axis with per-device perturbation.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from typing import Any
 from typing import NamedTuple
 
@@ -71,6 +72,28 @@ def _unit(direction: optax.Updates, eps: float | jax.Array, like: optax.Params) 
 def _moving_average(average: optax.Updates, grads: optax.Updates, decay) -> optax.Updates:
   r""":math:`\lambda m + (1 - \lambda) g`, kept in the average's (float32 at least) dtype."""
   return jax.tree.map(lambda m, g: decay * m + (1.0 - decay) * g.astype(m.dtype), average, grads)
+
+
+def _averaged_direction(
+  state_type: Callable[[optax.Updates], Any],
+  decay: float,
+  eps: float | jax.Array,
+  direction_of: Callable[[jax.Array, jax.Array], jax.Array] | None = None,
+) -> optax.GradientTransformation:
+  """A direction read from :math:`m`, a moving average of the gradients, kept in ``state_type``.
+
+  The unit vector of ``direction_of(g, m)`` leaf by leaf, or of :math:`m` itself.
+  """
+
+  def init_fn(params):
+    return state_type(jax.tree.map(zeros_accumulator, params))
+
+  def update_fn(grads, state, params=None):
+    average = _moving_average(state[0], grads, decay)
+    direction = average if direction_of is None else jax.tree.map(direction_of, grads, average)
+    return _unit(direction, eps, grads if params is None else params), state_type(average)
+
+  return _known(optax.GradientTransformation(init_fn, update_fn))
 
 
 def normalized_ascent(eps: float | jax.Array = 1e-12) -> optax.GradientTransformation:
@@ -202,16 +225,8 @@ def friendly_ascent(
   check_unit_interval("decay", decay, include_one=False)
   check_positive("eps", eps)
 
-  def init_fn(params):
-    return FriendlyAscentState(jax.tree.map(zeros_accumulator, params))
-
-  def update_fn(grads, state, params=None):
-    average = _moving_average(state.gradient_average, grads, decay)
-    noise = jax.tree.map(lambda g, m: upcast(g) - sigma * m, grads, average)
-    like = grads if params is None else params
-    return _unit(noise, eps, like), FriendlyAscentState(average)
-
-  return _known(optax.GradientTransformation(init_fn, update_fn))
+  noise = lambda g, m: upcast(g) - sigma * m
+  return _averaged_direction(FriendlyAscentState, decay, eps, direction_of=noise)
 
 
 class VassoState(NamedTuple):
@@ -246,10 +261,13 @@ def vasso_ascent(theta: float = 0.4, *, eps: float = 1e-12) -> optax.GradientTra
     An ``optax.GradientTransformation`` with state :class:`VassoState`.
 
   Example:
-    >>> import jax.numpy as jnp, optax, optax_gsam
-    >>> tx = optax.chain(
-    ...   optax_gsam.sam(0.05, ascent=optax_gsam.vasso_ascent(theta=0.4)), optax.sgd(0.1)
-    ... )
+    >>> import jax, jax.numpy as jnp, optax, optax_gsam
+    >>> loss_fn = lambda w: jnp.sum(w**2)
+    >>> gsam = optax_gsam.gsam(0.05, 0.3, ascent=optax_gsam.vasso_ascent(theta=0.4))
+    >>> tx, w = optax.chain(gsam, optax.sgd(0.1)), jnp.ones(2)
+    >>> _, state = tx.update(jax.grad(loss_fn)(w), tx.init(w), w, loss_fn=loss_fn)
+    >>> optax.tree.get(state, "smoothed_gradient")  # d_1 = theta g_1, with g_1 = 2 w
+    Array([0.8, 0.8], dtype=float32)
 
   References:
     Li and Giannakis, `Enhancing Sharpness-Aware Optimization Through Variance
@@ -259,14 +277,7 @@ def vasso_ascent(theta: float = 0.4, *, eps: float = 1e-12) -> optax.GradientTra
   check_unit_interval("theta", theta, include_one=True)
   check_positive("eps", eps)
 
-  def init_fn(params):
-    return VassoState(jax.tree.map(zeros_accumulator, params))
-
-  def update_fn(grads, state, params=None):
-    smoothed = _moving_average(state.smoothed_gradient, grads, 1.0 - theta)
-    return _unit(smoothed, eps, grads if params is None else params), VassoState(smoothed)
-
-  return _known(optax.GradientTransformation(init_fn, update_fn))
+  return _averaged_direction(VassoState, 1.0 - theta, eps)
 
 
 def ascent_from_adaptive(

@@ -58,24 +58,24 @@ class SharpnessOptions(TypedDict, total=False):
   num_groups: int | None
 
 
-SHARPNESS_DEFAULTS: dict[str, Any] = dict(
-  eps=1e-12,
-  ascent=None,
-  ascent_steps=None,
-  mask=None,
-  policy=None,
-  microbatches=None,
-  perturb_each_microbatch=False,
-  sync_perturbation=False,
-  axis_name=None,
-  check_axis=True,
-  on_nonfinite="propagate",
-  diagnostics=True,
-  adaptive=None,
-  perturb_every=None,
-  reuse_weight=None,
-  num_groups=None,
-)
+SHARPNESS_DEFAULTS: dict[str, Any] = {
+  "eps": 1e-12,
+  "ascent": None,
+  "ascent_steps": None,
+  "mask": None,
+  "policy": None,
+  "microbatches": None,
+  "perturb_each_microbatch": False,
+  "sync_perturbation": False,
+  "axis_name": None,
+  "check_axis": True,
+  "on_nonfinite": "propagate",
+  "diagnostics": True,
+  "adaptive": None,
+  "perturb_every": None,
+  "reuse_weight": None,
+  "num_groups": None,
+}
 
 # Deprecated keyword of gsam and sam -> what to write instead.
 DEPRECATED_KEYWORDS = {

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from collections.abc import Hashable
+from typing import TYPE_CHECKING
 from typing import Any
 from typing import NamedTuple
 
@@ -31,15 +32,20 @@ from optax_gsam._src.arrays import compute_dtype
 from optax_gsam._src.arrays import conform
 from optax_gsam._src.measuring import Batches
 from optax_gsam._src.measuring import LossFn
+from optax_gsam._src.measuring import MeasureOptions
 from optax_gsam._src.measuring import ParamView
 from optax_gsam._src.measuring import Progress
 from optax_gsam._src.measuring import batch_mean
+from optax_gsam._src.measuring import measure_keywords
 from optax_gsam._src.measuring import param_view
 from optax_gsam._src.measuring import report
 from optax_gsam._src.measuring import run_measure
 from optax_gsam._src.validation import check_positive_int
 
 _METHODS = ("lanczos", "power")
+
+if TYPE_CHECKING:  # PEP 692's Unpack is typing's own from Python 3.12
+  from typing_extensions import Unpack
 
 
 # ----------------------------------------------------------------------------- Hessian-vector products
@@ -225,6 +231,7 @@ def _eigenvalues(
   return values[::-1][: options.k]
 
 
+@measure_keywords
 def hessian_eigenvalues(
   loss_fn: Callable[[Any, Any], jax.Array],
   params: Any,
@@ -234,10 +241,7 @@ def hessian_eigenvalues(
   k: int = 1,
   num_iterations: int = 20,
   method: str = "lanczos",
-  num_batches: int | None = None,
-  axis_name: Hashable | None = None,
-  mesh: jax.sharding.Mesh | None = None,
-  progress: Callable[[int, int], Any] | None = None,
+  **data: Unpack[MeasureOptions],
 ) -> jax.Array:
   r"""The ``k`` largest eigenvalues of the loss's Hessian, by Lanczos (or power iteration).
 
@@ -281,18 +285,8 @@ def hessian_eigenvalues(
     Hessian eigenvalue density*, ICML 2019; Yao et al., *PyHessian*, 2020.
   """
   _check_eigen_args(k, num_iterations, method)
-  options = _EigenOptions(k, num_iterations, method, progress)
-  return run_measure(
-    _eigenvalues,
-    loss_fn,
-    options,
-    params,
-    batch,
-    key,
-    num_batches=num_batches,
-    axis_name=axis_name,
-    mesh=mesh,
-  )
+  options = _EigenOptions(k, num_iterations, method, data["progress"])
+  return run_measure(_eigenvalues, loss_fn, options, params, batch, key, data)
 
 
 # ----------------------------------------------------------------------------- trace and density
@@ -347,6 +341,7 @@ def _trace(
   return TraceEstimate(jnp.mean(samples), error)
 
 
+@measure_keywords
 def hessian_trace(
   loss_fn: Callable[[Any, Any], jax.Array],
   params: Any,
@@ -354,10 +349,7 @@ def hessian_trace(
   key: jax.Array,
   *,
   num_probes: int = 32,
-  num_batches: int | None = None,
-  axis_name: Hashable | None = None,
-  mesh: jax.sharding.Mesh | None = None,
-  progress: Callable[[int, int], Any] | None = None,
+  **data: Unpack[MeasureOptions],
 ) -> TraceEstimate:
   r"""The Hessian trace by Hutchinson's estimator, with its standard error.
 
@@ -370,15 +362,11 @@ def hessian_trace(
   :math:`\lambda_{\max}` is the worst one. It depends on the parameters' scale.
 
   Args:
-    loss_fn: ``loss_fn(params, batch) -> scalar``, a mean over the batch's examples.
-    params: the weights, any pytree of arrays (see :func:`hessian_vector_product`).
-    batch: a fixed batch, or an iterator of equal-sized batches (with ``num_batches``).
+    loss_fn, params, batch: as :func:`hessian_eigenvalues` takes them.
     key: the PRNG key of the probes.
     num_probes: :math:`n` >= 2, one Hessian-vector product each.
-    num_batches: how many batches to take from an iterator ``batch``.
-    axis_name: average the products over this data axis (inside a per-device step).
-    mesh: run per device on this mesh, the batch split over ``axis_name``.
-    progress: called as ``progress(done, num_probes)`` after each probe.
+    num_batches, axis_name, mesh, progress: as :func:`hessian_eigenvalues` takes
+      them; ``progress(done, num_probes)`` is called after each probe.
 
   Returns:
     A :class:`TraceEstimate`.
@@ -397,18 +385,8 @@ def hessian_trace(
   if num_probes < 2:
     raise ValueError(f"num_probes must be >= 2 to state an error, got {num_probes}.")
 
-  options = _TraceOptions(num_probes, progress)
-  return run_measure(
-    _trace,
-    loss_fn,
-    options,
-    params,
-    batch,
-    key,
-    num_batches=num_batches,
-    axis_name=axis_name,
-    mesh=mesh,
-  )
+  options = _TraceOptions(num_probes, data["progress"])
+  return run_measure(_trace, loss_fn, options, params, batch, key, data)
 
 
 class SpectralDensity(NamedTuple):
@@ -468,6 +446,7 @@ def _density(
   return SpectralDensity(*_map_probes(one, key, options.num_probes))
 
 
+@measure_keywords
 def hessian_spectral_density(
   loss_fn: Callable[[Any, Any], jax.Array],
   params: Any,
@@ -476,10 +455,7 @@ def hessian_spectral_density(
   *,
   num_probes: int = 4,
   num_iterations: int = 30,
-  num_batches: int | None = None,
-  axis_name: Hashable | None = None,
-  mesh: jax.sharding.Mesh | None = None,
-  progress: Callable[[int, int], Any] | None = None,
+  **data: Unpack[MeasureOptions],
 ) -> SpectralDensity:
   r"""The Hessian's spectral density by stochastic Lanczos quadrature (SLQ).
 
@@ -489,16 +465,12 @@ def hessian_spectral_density(
   :math:`\lambda_{\max}`, and negative eigenvalues (a saddle) if any.
 
   Args:
-    loss_fn: ``loss_fn(params, batch) -> scalar``, a mean over the batch's examples.
-    params: the weights, any pytree of arrays (see :func:`hessian_vector_product`).
-    batch: a fixed batch, or an iterator of equal-sized batches (with ``num_batches``).
+    loss_fn, params, batch: as :func:`hessian_eigenvalues` takes them.
     key: the PRNG key of the probes.
     num_probes: independent Lanczos runs averaged.
     num_iterations: Lanczos steps per probe (capped at the number of parameters).
-    num_batches: how many batches to take from an iterator ``batch``.
-    axis_name: average the products over this data axis (inside a per-device step).
-    mesh: run per device on this mesh, the batch split over ``axis_name``.
-    progress: called as ``progress(done, total)`` after each product.
+    num_batches, axis_name, mesh, progress: as :func:`hessian_eigenvalues` takes
+      them.
 
   Returns:
     A :class:`SpectralDensity`.
@@ -518,15 +490,5 @@ def hessian_spectral_density(
   check_positive_int("num_probes", num_probes)
   check_positive_int("num_iterations", num_iterations)
 
-  options = _DensityOptions(num_probes, num_iterations, progress)
-  return run_measure(
-    _density,
-    loss_fn,
-    options,
-    params,
-    batch,
-    key,
-    num_batches=num_batches,
-    axis_name=axis_name,
-    mesh=mesh,
-  )
+  options = _DensityOptions(num_probes, num_iterations, data["progress"])
+  return run_measure(_density, loss_fn, options, params, batch, key, data)

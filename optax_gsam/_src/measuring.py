@@ -25,17 +25,38 @@ from collections.abc import Hashable
 from collections.abc import Iterator
 from typing import Any
 from typing import NamedTuple
+from typing import TypedDict
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from optax_gsam._src.distributed import data_parallel
+from optax_gsam._src.keywords import takes_keywords
 from optax_gsam._src.validation import check_axis_name
 from optax_gsam._src.validation import check_positive_int
 
 LossFn = Callable[[Any, Any], jax.Array]
 Progress = Callable[[int, int], Any]
+
+
+class MeasureOptions(TypedDict, total=False):
+  """The keywords every measure takes, after its own (all default to ``None``).
+
+  ``num_batches``: how many batches to take from an iterator ``batch``.
+  ``axis_name``: average over this data axis (inside a per-device step).
+  ``mesh``: run per device on this mesh, the batch split over ``axis_name``.
+  ``progress``: called as ``progress(done, total)`` as the measure advances.
+  """
+
+  num_batches: int | None
+  axis_name: Hashable | None
+  mesh: jax.sharding.Mesh | None
+  progress: Callable[[int, int], Any] | None
+
+
+# The decorator of every measure: MeasureOptions in its signature, the defaults filled in.
+measure_keywords = takes_keywords(MeasureOptions, dict.fromkeys(MeasureOptions.__annotations__))
 
 
 # ----------------------------------------------------------------------------- batches
@@ -244,17 +265,16 @@ def run_measure(
   params: Any,
   batch: Any,
   extra: Any,
-  *,
-  num_batches: int | None,
-  axis_name: Hashable | None,
-  mesh: jax.sharding.Mesh | None,
+  data: MeasureOptions,
 ) -> Any:
   """``kernel(real_loss, view, batches, extra, axis_name, options)``, compiled once per ``loss_fn``.
 
   ``options`` (hashable: the measure's static settings, ``progress`` included)
   and ``loss_fn`` key the compiled program; ``extra`` (a key, a radius) is an
   argument of it. A ``loss_fn`` that cannot be hashed is compiled afresh.
+  ``data`` is the measure's :class:`MeasureOptions`.
   """
+  num_batches, axis_name, mesh = data["num_batches"], data["axis_name"], data["mesh"]
   check_axis_name(axis_name)
   if mesh is not None and axis_name is None:
     raise ValueError("mesh needs axis_name: the mesh axis the batch is split over.")

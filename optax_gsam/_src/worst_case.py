@@ -8,7 +8,7 @@ on the perturbation, the largest rise seen, averaged over the groups.
 from __future__ import annotations
 
 from collections.abc import Callable
-from collections.abc import Hashable
+from typing import TYPE_CHECKING
 from typing import Any
 from typing import NamedTuple
 
@@ -18,13 +18,18 @@ import jax.numpy as jnp
 from optax_gsam._src.arrays import upcast
 from optax_gsam._src.measuring import Batches
 from optax_gsam._src.measuring import LossFn
+from optax_gsam._src.measuring import MeasureOptions
 from optax_gsam._src.measuring import ParamView
 from optax_gsam._src.measuring import Progress
+from optax_gsam._src.measuring import measure_keywords
 from optax_gsam._src.measuring import report
 from optax_gsam._src.measuring import run_measure
 from optax_gsam._src.perturbation import stable_global_norm
 from optax_gsam._src.validation import check_positive
 from optax_gsam._src.validation import check_positive_int
+
+if TYPE_CHECKING:  # PEP 692's Unpack is typing's own from Python 3.12
+  from typing_extensions import Unpack
 
 
 def _groups(batch: Any, m: int | None) -> Any:
@@ -104,6 +109,7 @@ def _m_sharpness(
   return mean if axis_name is None else jax.lax.pmean(mean, axis_name)
 
 
+@measure_keywords
 def m_sharpness(
   loss_fn: Callable[[Any, Any], jax.Array],
   params: Any,
@@ -113,10 +119,7 @@ def m_sharpness(
   m: int | None = None,
   ascent_steps: int = 5,
   adaptive: bool = False,
-  num_batches: int | None = None,
-  axis_name: Hashable | None = None,
-  mesh: jax.sharding.Mesh | None = None,
-  progress: Callable[[int, int], Any] | None = None,
+  **data: Unpack[MeasureOptions],
 ) -> jax.Array:
   r"""Worst-case m-sharpness: the mean over groups of m examples of the largest rise in the ball.
 
@@ -154,11 +157,9 @@ def m_sharpness(
       whole (per-device) batch is one group.
     ascent_steps: gradient evaluations per group (one more loss evaluation).
     adaptive: measure the ball relative to :math:`|w|` (scale-invariant sharpness).
-    num_batches: how many batches to take from an iterator ``batch``.
-    axis_name: average over this data axis (inside a per-device step); the groups
-      are formed within each device's shard.
-    mesh: run per device on this mesh, the batch split over ``axis_name``.
-    progress: called as ``progress(done, total)`` after each group.
+    num_batches, axis_name, mesh, progress: as :func:`optax_gsam.hessian_eigenvalues`
+      takes them; under ``axis_name`` the groups are formed within each device's
+      shard, and ``progress`` is called after each group.
 
   Returns:
     :math:`S^{\rho}_m(w)`, a scalar (float32 at least).
@@ -181,15 +182,5 @@ def m_sharpness(
   check_positive_int("m", m, allow_none=True)
   check_positive_int("ascent_steps", ascent_steps)
 
-  options = _Options(m, ascent_steps, adaptive, progress)
-  return run_measure(
-    _m_sharpness,
-    loss_fn,
-    options,
-    params,
-    batch,
-    jnp.asarray(rho),
-    num_batches=num_batches,
-    axis_name=axis_name,
-    mesh=mesh,
-  )
+  options = _Options(m, ascent_steps, adaptive, data["progress"])
+  return run_measure(_m_sharpness, loss_fn, options, params, batch, jnp.asarray(rho), data)
