@@ -89,13 +89,18 @@ def microbatch_fns(
   return lambda index: lambda params: grad_fn(params, slice_of(index))
 
 
-def average_over(
-  num_microbatches: int, result_of: Callable[[jax.Array], Any], like: Any = None
-) -> Any:
-  """The mean of ``result_of(i)`` over ``i < num_microbatches``, one ``i`` live at a time.
+def mean_and_state(
+  num_microbatches: int,
+  result_of: Callable[[jax.Array, Any], tuple[Any, Any]],
+  state: Any = None,
+  like: Any = None,
+) -> tuple[Any, Any]:
+  """The mean of ``result_of(i, s_i)[0]`` over ``i < num_microbatches``, and the last state.
 
-  A ``lax.scan`` whose carry is the running sum, in float32 at least; the mean
-  is divided once at the end.
+  ``result_of(index, state) -> (result, new_state)``, one ``index`` live at a
+  time: a ``lax.scan`` whose carry is the running sum (float32 at least; the
+  mean is divided once at the end) and the state, which passes through the
+  micro-batches in order and keeps the dtypes and layout it came in with.
 
   ``like``, a tree of arrays shaped like the result (the params, for a
   gradient), gives the sum's buffer: the carry starts as ``like`` and is zeroed
@@ -105,19 +110,29 @@ def average_over(
   buffer, from the first scan to the second.
   """
   indices = jnp.arange(num_microbatches, dtype=jnp.int32)
-  shapes = jax.eval_shape(result_of, indices[0])
+  shapes, _ = jax.eval_shape(result_of, indices[0], state)
   initial = jax.tree.map(zeros_accumulator, shapes)
   if like is not None:
-    initial = jax.tree.map(lambda x, z: conform(x, z), like, initial)
+    initial = jax.tree.map(conform, like, initial)
 
-  def body(total, index):
-    result = result_of(index)
+  def body(carry, index):
+    total, state = carry
+    result, new_state = result_of(index, state)
     if like is not None:
       total = jax.tree.map(lambda t: jnp.where(index == 0, jnp.zeros_like(t), t), total)
-    return jax.tree.map(lambda t, x: t + x.astype(t.dtype), total, result), None
+    total = jax.tree.map(lambda t, x: t + x.astype(t.dtype), total, result)
+    return (total, conform(new_state, state)), None
 
-  total, _ = jax.lax.scan(body, initial, indices)
-  return jax.tree.map(lambda t: t / num_microbatches, total)
+  (total, state), _ = jax.lax.scan(body, (initial, state), indices)
+  return jax.tree.map(lambda t: t / num_microbatches, total), state
+
+
+def average_over(
+  num_microbatches: int, result_of: Callable[[jax.Array], Any], like: Any = None
+) -> Any:
+  """The mean of ``result_of(i)`` over ``i < num_microbatches``: :func:`mean_and_state` without
+  a state."""
+  return mean_and_state(num_microbatches, lambda index, _: (result_of(index), None), None, like)[0]
 
 
 def accumulated(fns: MicrobatchFn, num_microbatches: int) -> ValueAndGradFn:

@@ -26,11 +26,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_gsam._src.arrays import conform
-from optax_gsam._src.arrays import zeros_accumulator
 from optax_gsam._src.microbatch import MicrobatchFn
 from optax_gsam._src.microbatch import accumulated
 from optax_gsam._src.microbatch import check_batch
+from optax_gsam._src.microbatch import mean_and_state
 from optax_gsam._src.microbatch import microbatch_fns
 from optax_gsam._src.user_functions import ValueAndGradFn
 from optax_gsam._src.user_functions import ValueAndGradWithArgsFn
@@ -188,30 +187,6 @@ def _check_same_state(new: Any, old: Any) -> None:
     )
 
 
-def mean_and_final_state(k: int, result_of: Callable, initial_state: Any) -> tuple[Any, Any]:
-  """The mean of ``result_of(i, s_{i-1})[0]`` over ``i < k``, and :math:`s_k`.
-
-  ``result_of(index, state) -> (result, new_state)``; a ``lax.scan`` whose
-  carry is the running sum (float32 at least) and the state, so the state
-  passes through the micro-batches in order.
-  """
-  indices = jnp.arange(k, dtype=jnp.int32)
-  shapes, new_state = jax.eval_shape(result_of, indices[0], initial_state)
-  _check_same_state(new_state, initial_state)
-
-  def body(carry, index):
-    total, state = carry
-    result, new = result_of(index, state)
-    total = jax.tree.map(lambda t, x: t + x.astype(t.dtype), total, result)
-    # The state keeps the dtypes and layout it came in with, whatever layout the loss gave it.
-    return (total, conform(new, state)), None
-
-  (total, state), _ = jax.lax.scan(
-    body, (jax.tree.map(zeros_accumulator, shapes), initial_state), indices
-  )
-  return jax.tree.map(lambda t: t / k, total), state
-
-
 def stateful_accumulated(
   grad_fn: ValueAndGradWithArgsFn, inputs: MicrobatchInputs, k: int, axis_name: Any = None
 ) -> Callable[[optax.Params], tuple[jax.Array, optax.Updates, Any]]:
@@ -226,9 +201,11 @@ def stateful_accumulated(
           "With model_state=, loss_fn must return (loss, new_model_state), got "
           f"{type(value).__name__}."
         )
+      _check_same_state(value[1], state)
       return (scalar_loss(value), grads), value[1]
 
-    (loss, grads), state = mean_and_final_state(k, of, inputs.model_state)
+    like = (jnp.zeros([]), params)  # the sum's buffers (see mean_and_state)
+    (loss, grads), state = mean_and_state(k, of, inputs.model_state, like)
     return loss, optax.tree.cast_like(grads, params), state
 
   return value_and_grad
