@@ -309,3 +309,17 @@ def test_a_gradient_cache_per_microbatch_is_the_dense_micro_batched_step():
       out, _ = tx.update(None, tx.init(params), params, batch=batch, **fn)
       outputs.append(np.concatenate([np.ravel(out["a"]), np.ravel(out["b"])]))
     np.testing.assert_allclose(outputs[0], outputs[1], rtol=1e-10)
+
+
+def test_the_clean_passs_mean_is_behind_a_barrier_when_lowered_for_tpu_only():
+  """TPU's compiler otherwise folds the mean into late readers (benchmarks/tpu_compile.py)."""
+  params, x, t = make_data(16)
+  batch = (jnp.asarray(x), jnp.asarray(t))
+  tx = optax.chain(optax_gsam.gsam(0.05, 0.3, microbatches=K), optax.sgd(0.1))
+  step = lambda p, s: tx.update(None, s, p, loss_fn=batch_loss, batch=batch)[0]
+  traced = jax.jit(step).trace(params, tx.init(params))
+  barriers = {
+    platform: traced.lower(lowering_platforms=(platform,)).as_text().count("optimization_barrier")
+    for platform in ("cpu", "tpu")
+  }
+  assert barriers["tpu"] == barriers["cpu"] + 1, barriers
