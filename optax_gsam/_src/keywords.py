@@ -10,10 +10,11 @@ function agree:
   numeric ones) see the same parameters as a written-out signature;
 * a call gets every keyword of the group, the defaults filled in;
 * an unknown keyword raises ``TypeError``, as for a written-out signature;
-* ``typing.get_type_hints`` gives every parameter's type, evaluated.
+* ``typing.get_type_hints`` gives every parameter's type.
 
-The signature keeps the annotations as written (strings, under postponed
-evaluation), which the docs show by their public names.
+The annotations stay as written (strings, under postponed evaluation), which
+the docs show by their public names; each must resolve in the module of the
+decorated function, which is checked when it is decorated.
 """
 
 from __future__ import annotations
@@ -72,12 +73,14 @@ def takes_keywords(group: type, defaults: Mapping[str, Any]) -> Callable[[F], F]
       return fn(**bound.arguments)
 
     call.__signature__ = shown  # type: ignore[attr-defined]
-    evaluate = lambda a: eval(a, fn.__globals__) if isinstance(a, str) else a
+    # As written, as the docs show them; typing.get_type_hints resolves them where ``fn`` is
+    # defined, so a name the group uses must be importable there. Checked now, not in the docs.
     call.__annotations__ = {
-      **{p.name: evaluate(p.annotation) for p in own if p.annotation is not p.empty},
-      **typing.get_type_hints(group),
-      "return": evaluate(signature.return_annotation),
+      p.name: p.annotation for p in shown.parameters.values() if p.annotation is not p.empty
     }
+    if shown.return_annotation is not shown.empty:
+      call.__annotations__["return"] = shown.return_annotation
+    typing.get_type_hints(call)
     return cast(F, call)
 
   return decorate

@@ -33,9 +33,12 @@ from optax_gsam._src.gsam_arguments import warn_deprecated
 from optax_gsam._src.keywords import takes_keywords
 from optax_gsam._src.placement import check_not_in_multisteps
 from optax_gsam._src.placement import check_placement
+from optax_gsam._src.policies import SharpnessPolicy as SharpnessPolicy  # SharpnessOptions' types
 from optax_gsam._src.policies import keep_unless_counted
 from optax_gsam._src.policies import policy_from_arguments
 from optax_gsam._src.user_functions import scalar_loss
+from optax_gsam.typing import Adaptive as Adaptive  # SharpnessOptions' types, as SharpnessPolicy
+from optax_gsam.typing import AxisName as AxisName
 
 if TYPE_CHECKING:  # PEP 692's Unpack is typing's own from Python 3.12
   from typing_extensions import Unpack

@@ -8,6 +8,7 @@ on the perturbation, the largest rise seen, averaged over the groups.
 from __future__ import annotations
 
 from collections.abc import Callable
+from collections.abc import Hashable as Hashable  # MeasureOptions' types
 from typing import TYPE_CHECKING
 from typing import Any
 from typing import NamedTuple
