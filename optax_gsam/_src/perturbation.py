@@ -95,14 +95,8 @@ def _scaled_dot(a: optax.Params, b: optax.Params, exp_a: jax.Array, exp_b: jax.A
 
 
 def _scaled_norm(tree: optax.Params, exponent: jax.Array) -> jax.Array:
-  """The norm of ``tree`` scaled by 2^-exponent.
-
-  The squares are taken at half that scale, and the root doubled (exact): an inner product
-  with ``tree`` (the cosine, after the perturbed pass) then shares no scaled copy of it with
-  this norm (the ascent's, before that pass). Shared, XLA keeps the copy, one params-sized
-  buffer, live through the whole perturbed pass.
-  """
-  return 2 * jnp.sqrt(_scaled_dot(tree, tree, exponent + 1, exponent + 1))
+  """The norm of ``tree`` scaled by 2^-exponent."""
+  return jnp.sqrt(_scaled_dot(tree, tree, exponent, exponent))
 
 
 def _unscale(value: jax.Array, exponent: jax.Array) -> jax.Array:
@@ -131,7 +125,8 @@ def stable_global_norm(tree: optax.Params) -> jax.Array:
     >>> float(optax_gsam.stable_global_norm(big)) == 2.0**101
     True
   """
-  exponent = _exponent(tree)
+  exponent = _exponent(tree) + 1  # half the scale: see _pair_stats
+
   return _unscale(_scaled_norm(tree, exponent), exponent)
 
 
@@ -151,12 +146,20 @@ class GradientStats(NamedTuple):
 
 
 def _pair_stats(a: optax.Updates, b: optax.Updates) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """``(|a|, |b|, cos(a, b))``, each tree scaled by a power of two near its largest entry."""
+  """``(|a|, |b|, cos(a, b))``, each tree scaled by a power of two near its largest entry.
+
+  ``a``'s norm is taken at half the scale of its inner product with ``b`` (exact), as
+  :func:`stable_global_norm` takes it: for the clean gradient that norm is the ascent's, taken
+  before the perturbed pass, and it then shares no scaled copy of ``a`` with the inner product
+  after that pass. Shared, XLA's CPU compiler keeps the copy, a params-sized buffer, through
+  the whole perturbed pass; ``b``'s norm and the inner product keep one scale, which the TPU
+  compiler reads in one pass.
+  """
   exp_a, exp_b = _exponent(a), _exponent(b)
-  scaled_a, scaled_b = _scaled_norm(a, exp_a), _scaled_norm(b, exp_b)
+  half_a, scaled_b = _scaled_norm(a, exp_a + 1), _scaled_norm(b, exp_b)
   dot = _scaled_dot(a, b, exp_a, exp_b)
-  cosine = dot * _safe_inverse(scaled_a) * _safe_inverse(scaled_b)
-  return _unscale(scaled_a, exp_a), _unscale(scaled_b, exp_b), cosine
+  cosine = dot * _safe_inverse(2 * half_a) * _safe_inverse(scaled_b)
+  return _unscale(half_a, exp_a + 1), _unscale(scaled_b, exp_b), cosine
 
 
 def gradient_stats(clean_grads: optax.Updates, perturbed_grads: optax.Updates) -> GradientStats:
