@@ -152,8 +152,7 @@ def _pair_stats(a: optax.Updates, b: optax.Updates) -> tuple[jax.Array, jax.Arra
   :func:`stable_global_norm` takes it: for the clean gradient that norm is the ascent's, taken
   before the perturbed pass, and it then shares no scaled copy of ``a`` with the inner product
   after that pass. Shared, XLA's CPU compiler keeps the copy, a params-sized buffer, through
-  the whole perturbed pass; ``b``'s norm and the inner product keep one scale, which the TPU
-  compiler reads in one pass.
+  the whole perturbed pass.
   """
   exp_a, exp_b = _exponent(a), _exponent(b)
   half_a, scaled_b = _scaled_norm(a, exp_a + 1), _scaled_norm(b, exp_b)
