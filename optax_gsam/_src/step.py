@@ -319,14 +319,19 @@ def full_step(
       stats=stats,
     )
   gap = perturbed_loss - clean_loss if clean_loss is not None else jnp.zeros([], jnp.float32)
-  # Without them, SAM reads the clean gradient only in the ascent, so XLA frees it before the
-  # perturbed pass ends (one params-sized buffer); the statistics stay 0.
-  recorded = [jnp.zeros([], jnp.float32)] * 3
-  if settings.diagnostics and stats is not None:
-    recorded = [
-      x.astype(jnp.float32) for x in (stats.cosine, stats.clean_norm, stats.perturbed_norm)
-    ]
-  diagnostics = Diagnostics(perturbed_loss, gap, *recorded)
+  if not settings.diagnostics:
+    # SAM then reads the clean gradient only in the ascent, so XLA frees it before the perturbed
+    # pass ends (one params-sized buffer); the statistics stay 0.
+    zero = jnp.zeros([], jnp.float32)
+    stats = pert.GradientStats(zero, zero, zero)
+  assert stats is not None  # computed above whenever the diagnostics are kept
+  diagnostics = Diagnostics(
+    perturbed_loss=perturbed_loss,
+    surrogate_gap=gap,
+    cosine=stats.cosine.astype(jnp.float32),
+    clean_grad_norm=stats.clean_norm.astype(jnp.float32),
+    perturbed_grad_norm=stats.perturbed_norm.astype(jnp.float32),
+  )
   stored = None
   if settings.policy.stores_direction:
     stored = pert.reuse_component(gradient, clean_grads, eps=settings.eps)
