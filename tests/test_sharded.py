@@ -131,6 +131,10 @@ CASES = {
     lambda: optax_gsam.gsam(0.1, 0.3, microbatches=4, perturb_each_microbatch=True),
     True,
   ),
+  "sam microbatches diagnostics=False": (
+    lambda: optax_gsam.sam(0.1, microbatches=4, diagnostics=False),
+    True,
+  ),
   "momentum_sam": (lambda: optax_gsam.momentum_sam(0.1, 0.9), False),
   "momentum_sam microbatches": (lambda: optax_gsam.momentum_sam(0.1, 0.9, microbatches=4), True),
 }
