@@ -12,7 +12,7 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 python="${PYTHON:-python3}"
 venv="${FLOORS_VENV:-$(mktemp -d)/venv}"
 [[ -n "${FLOORS_VENV:-}" ]] || trap 'rm -rf "$(dirname "$venv")"' EXIT
-subset=(tests/test_sharpness.py tests/test_policies.py tests/test_flax.py
+subset=(tests/test_sharpness.py tests/test_policies.py tests/test_flax.py tests/test_flax_nnx.py
         tests/test_distributed.py tests/test_sharded.py)
 tests=("${@:-${subset[@]}}")
 

@@ -10,7 +10,7 @@
 # before a release; RELEASING.md).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-subset=(tests/test_sharpness.py tests/test_policies.py tests/test_flax.py
+subset=(tests/test_sharpness.py tests/test_policies.py tests/test_flax.py tests/test_flax_nnx.py
         tests/test_distributed.py)
 tests=("${@:-${subset[@]}}")
 work="$(mktemp -d)"

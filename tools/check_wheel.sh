@@ -14,7 +14,7 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 python="${PYTHON:-python3}"
 work="${WHEEL_CHECK_DIR:-$(mktemp -d)}"
 [[ -n "${WHEEL_CHECK_DIR:-}" ]] || trap 'rm -rf "$work"' EXIT
-subset=(tests/test_sharpness.py tests/test_policies.py tests/test_flax.py
+subset=(tests/test_sharpness.py tests/test_policies.py tests/test_flax.py tests/test_flax_nnx.py
         tests/test_distributed.py tests/test_user_functions.py tests/test_gradient_cache.py)
 tests=("${@:-${subset[@]}}")
 
