@@ -168,3 +168,43 @@ def test_loss_fn_that_is_not_a_real_scalar_raises_value_error(loss_fn, match, tr
   tx = ignoring_transforms()[transform]
   with pytest.raises(ValueError, match=match):
     tx.update(w, tx.init(w), w, loss_fn=loss_fn)
+
+
+def test_update_reads_its_keywords_from_what_the_chain_forwards():
+  """gsam, sam and momentum_sam read the keywords of UpdateArguments from ``**extra_args``.
+
+  Another transform's keywords pass through; a near miss of a keyword the method reads is a
+  TypeError naming the method; momentum_sam refuses ``perturb=False`` (a step it never takes).
+  """
+  from optax_gsam._src.user_functions import UPDATE_KEYWORDS
+
+  w = jnp.array([1.0, -2.0, 0.5])
+  loss_fn = lambda v: jnp.sum(v**2) + jnp.sum(v**3)
+  grads = jax.grad(loss_fn)(w)
+  others = {"grad": grads, "value_fn": loss_fn, "batch_stats": None}  # other transforms'
+  assert UPDATE_KEYWORDS == (
+    "loss_fn",
+    "value_and_grad_fn",
+    "value",
+    "perturb",
+    "batch",
+    "key",
+    "model_state",
+  )
+  for tx in (optax_gsam.gsam(0.1, 0.3), optax_gsam.sam(0.1), optax_gsam.momentum_sam(0.1)):
+    state = tx.init(w)
+    plain, _ = tx.update(grads, state, w, loss_fn=loss_fn)
+    forwarded, _ = tx.update(grads, state, w, loss_fn=loss_fn, **others)
+    np.testing.assert_array_equal(forwarded, plain)
+  momentum = optax_gsam.momentum_sam(0.1)
+  with pytest.raises(
+    TypeError, match=r"los_fn=, which no argument of momentum_sam reads.*loss_fn="
+  ):
+    momentum.update(grads, momentum.init(w), w, loss_fn=loss_fn, los_fn=loss_fn)
+  with pytest.raises(ValueError, match=r"perturb=False.*momentum_sam does not take"):
+    momentum.update(grads, momentum.init(w), w, loss_fn=loss_fn, perturb=False)
+  # value= is optax's name for the clean loss: momentum_sam has no clean pass and ignores it.
+  ignored, _ = momentum.update(grads, momentum.init(w), w, loss_fn=loss_fn, value=loss_fn(w))
+  np.testing.assert_array_equal(
+    ignored, momentum.update(grads, momentum.init(w), w, loss_fn=loss_fn)[0]
+  )

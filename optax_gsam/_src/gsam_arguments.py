@@ -20,7 +20,6 @@ from optax_gsam._src import step
 from optax_gsam._src.ascent_checks import check_ascent
 from optax_gsam._src.placement import check_not_masked
 from optax_gsam._src.policies import SharpnessPolicy
-from optax_gsam._src.user_functions import check_extra_args
 from optax_gsam._src.validation import check_axis_name
 from optax_gsam._src.validation import check_data_axis_is_set
 from optax_gsam._src.validation import check_non_negative
@@ -188,12 +187,11 @@ def validated(settings: step.Settings) -> step.Settings:
   return settings
 
 
-def check_update(updates, state, params, perturb, extra_args, settings, check_axis, inputs):
+def check_update(updates, state, params, perturb, settings, check_axis, inputs):
   """Everything ``update`` can refuse before tracing anything, each with the fix.
 
   ``inputs`` are the micro-batch inputs (``batch=``, ``key=``, ``model_state=``).
   """
-  check_extra_args(extra_args)
   check_perturb(perturb, settings.policy)
   check_not_masked(params)
   k = settings.num_groups if settings.num_groups is not None else settings.microbatches

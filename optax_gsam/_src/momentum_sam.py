@@ -26,7 +26,8 @@ from optax_gsam._src.placement import check_not_in_multisteps
 from optax_gsam._src.placement import check_not_masked
 from optax_gsam._src.placement import check_placement
 from optax_gsam._src.schedules import value_at
-from optax_gsam._src.user_functions import check_extra_args
+from optax_gsam._src.user_functions import UpdateArguments
+from optax_gsam._src.user_functions import read_update_arguments
 from optax_gsam._src.user_functions import scalar_loss
 from optax_gsam._src.user_functions import value_and_grad_from
 from optax_gsam._src.validation import check_axis_name
@@ -62,9 +63,13 @@ class MomentumSAMState(NamedTuple):
   fallback_count: jax.Array
 
 
-def _whole_batch_grad_fn(loss_fn, value_and_grad_fn, microbatches, inputs, axis_name) -> Callable:
+# What momentum_sam's update reads. Not value=: it has no clean pass whose loss to record.
+_READS = ("loss_fn", "value_and_grad_fn", "batch", "key", "model_state")
+
+
+def _whole_batch_grad_fn(call: UpdateArguments, microbatches, inputs, axis_name) -> Callable:
   """The user's function, accumulated over micro-batches where ``microbatches`` is set."""
-  grad_fn = value_and_grad_from(loss_fn, value_and_grad_fn)
+  grad_fn = value_and_grad_from(call.loss_fn, call.value_and_grad_fn)
   if inputs.model_state is not None:
     raise ValueError(
       "momentum_sam does not read model_state=: its one pass is at the perturbed weights, so "
@@ -72,7 +77,9 @@ def _whole_batch_grad_fn(loss_fn, value_and_grad_fn, microbatches, inputs, axis_
     )
   if microbatches is not None:
     fn, name = (
-      (loss_fn, "loss_fn") if loss_fn is not None else (value_and_grad_fn, "value_and_grad_fn")
+      (call.loss_fn, "loss_fn")
+      if call.loss_fn is not None
+      else (call.value_and_grad_fn, "value_and_grad_fn")
     )
     check_call_form(fn, name, inputs, microbatches)
     return whole_batch_grad_fn(grad_fn, inputs, microbatches, axis_name)
@@ -81,11 +88,6 @@ def _whole_batch_grad_fn(loss_fn, value_and_grad_fn, microbatches, inputs, axis_
       f"update() got {inputs.given[0]}=, which momentum_sam reads only with microbatches=k."
     )
   return grad_fn
-
-
-def _microbatch_inputs(batch: Any, extra_args: dict[str, Any]) -> MicrobatchInputs:
-  """``batch=``, and ``key=`` and ``model_state=`` (read as gsam reads them) taken from extra_args."""
-  return MicrobatchInputs(batch, extra_args.pop("key", None), extra_args.pop("model_state", None))
 
 
 def _checked_params(params: optax.Params) -> optax.Params:
@@ -213,21 +215,22 @@ def momentum_sam(
     updates: optax.Updates | None,
     state: MomentumSAMState,
     params: optax.Params | None = None,
-    *,
-    loss_fn: Callable | None = None,
-    value_and_grad_fn: Callable | None = None,
-    batch: Any = None,
     **extra_args: Any,
   ) -> tuple[optax.Updates, MomentumSAMState]:
     check_placement("momentum_sam")
-    inputs = _microbatch_inputs(batch, extra_args)
-    check_extra_args(extra_args, known=("loss_fn", "value_and_grad_fn", "batch", "key"))
+    call = read_update_arguments(extra_args, "momentum_sam", _READS)
+    if extra_args.get("perturb") is False:
+      raise ValueError(
+        "update() got perturb=False, a step without the perturbation, which momentum_sam does "
+        "not take: it perturbs at every step. Cheap steps are gsam/sam's (policy=)."
+      )
     params = numbers_as_arrays(params)
     check_not_masked(params, "momentum_sam")
     check_update_inputs(params if updates is None else updates, params, state.momentum)
     if check_axis:
       check_data_axis_is_set(axis_name)
-    grad_fn = _whole_batch_grad_fn(loss_fn, value_and_grad_fn, microbatches, inputs, axis_name)
+    inputs = MicrobatchInputs(call.batch, call.key, call.model_state)
+    grad_fn = _whole_batch_grad_fn(call, microbatches, inputs, axis_name)
     rho_t = value_at(rho, state.count)
     rho_ok = jnp.isfinite(rho_t) & (rho_t >= 0)  # else the clean gradient, counted
     safe_rho = jnp.where(rho_ok, rho_t, jnp.zeros_like(rho_t))

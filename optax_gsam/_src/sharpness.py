@@ -36,6 +36,7 @@ from optax_gsam._src.placement import check_placement
 from optax_gsam._src.policies import SharpnessPolicy as SharpnessPolicy  # SharpnessOptions' types
 from optax_gsam._src.policies import keep_unless_counted
 from optax_gsam._src.policies import policy_from_arguments
+from optax_gsam._src.user_functions import read_update_arguments
 from optax_gsam._src.user_functions import scalar_loss
 from optax_gsam.typing import Adaptive as Adaptive  # SharpnessOptions' types, as SharpnessPolicy
 from optax_gsam.typing import AxisName as AxisName
@@ -209,19 +210,13 @@ def _update_fn(settings: step.Settings, rho: optax.ScalarOrSchedule, check_axis:
     updates: optax.Updates | None,
     state: GSAMState,
     params: optax.Params | None = None,
-    *,
-    loss_fn: Callable | None = None,
-    value_and_grad_fn: Callable | None = None,
-    value: jax.Array | None = None,
-    perturb: bool | None = None,
-    batch: Any = None,
-    key: jax.Array | None = None,
-    model_state: Any = None,
     **extra_args: Any,
   ) -> tuple[optax.Updates, GSAMState]:
     check_placement("gsam/sam")
-    params, inputs = numbers_as_arrays(params), micro.MicrobatchInputs(batch, key, model_state)
-    check_update(updates, state, params, perturb, extra_args, settings, check_axis, inputs)
+    call = read_update_arguments(extra_args, "gsam/sam")
+    params = numbers_as_arrays(params)
+    inputs = micro.MicrobatchInputs(call.batch, call.key, call.model_state)
+    check_update(updates, state, params, call.perturb, settings, check_axis, inputs)
     hyper = step.hyperparams_at(rho, settings.policy, state.count, settings.alpha)
     context = step.StepContext(
       settings,
@@ -232,10 +227,10 @@ def _update_fn(settings: step.Settings, rho: optax.ScalarOrSchedule, check_axis:
       state.diagnostics,
       state.ascent_state,
     )
-    grad_fn = micro.user_grad_fn(loss_fn, value_and_grad_fn, inputs, settings)
-    clean_loss = scalar_loss(value) if value is not None else None
+    grad_fn = micro.user_grad_fn(call.loss_fn, call.value_and_grad_fn, inputs, settings)
+    clean_loss = scalar_loss(call.value) if call.value is not None else None
     outcome, policy_state, evaluations = _run_stages(
-      context, updates, params, grad_fn, clean_loss, perturb, inputs
+      context, updates, params, grad_fn, clean_loss, call.perturb, inputs
     )
     return outcome.gradient, _next_state(state, hyper, outcome, policy_state, evaluations)
 

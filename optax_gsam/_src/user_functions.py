@@ -9,7 +9,9 @@ import difflib
 import sys
 from collections.abc import Callable
 from collections.abc import Iterable
+from collections.abc import Mapping
 from typing import Any
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -35,16 +37,25 @@ IGNORED_ARGUMENT = (
   "loss_fn=lambda p: loss(p, batch)."
 )
 
-# The keywords gsam/sam/momentum_sam read from update(); a near miss of one is a misspelling.
-UPDATE_KEYWORDS = (
-  "loss_fn",
-  "value_and_grad_fn",
-  "value",
-  "perturb",
-  "batch",
-  "key",
-  "model_state",
-)
+
+class UpdateArguments(NamedTuple):
+  """The keywords of ``update`` that gsam, sam and momentum_sam read, declared once.
+
+  optax chains forward every keyword to every transform, so ``update`` takes
+  ``**extra_args`` and reads these from them (:func:`read_update_arguments`);
+  the others belong to the other transforms of the chain.
+  """
+
+  loss_fn: Callable | None = None
+  value_and_grad_fn: Callable | None = None
+  value: Any = None
+  perturb: Any = None
+  batch: Any = None
+  key: jax.Array | None = None
+  model_state: Any = None
+
+
+UPDATE_KEYWORDS: tuple[str, ...] = UpdateArguments._fields
 # How close (difflib ratio) a name must be to one of them to be taken for a misspelling:
 # `valu`/`value` is 0.89, `value_fn` (optax's line searches read it)/`value` is 0.77.
 TYPO_CUTOFF = 0.8
@@ -193,7 +204,9 @@ def holds_equinox_module(tree: Any) -> bool:
   return any(is_module(leaf) for leaf in jax.tree.leaves(tree, is_leaf=is_module))
 
 
-def check_extra_args(extra_args: Iterable[str], known: tuple[str, ...] = UPDATE_KEYWORDS) -> None:
+def check_extra_args(
+  extra_args: Iterable[str], known: tuple[str, ...] = UPDATE_KEYWORDS, method: str = "gsam/sam"
+) -> None:
   """Raises a TypeError for an extra keyword of ``update`` that is a near miss of a known one.
 
   optax chains forward every keyword to every transform, so unknown keywords
@@ -204,10 +217,22 @@ def check_extra_args(extra_args: Iterable[str], known: tuple[str, ...] = UPDATE_
     close = difflib.get_close_matches(name, known, n=1, cutoff=TYPO_CUTOFF)
     if close and name not in known:
       raise TypeError(
-        f"update() got {name}=, which no argument of gsam/sam reads; did you mean "
+        f"update() got {name}=, which no argument of {method} reads; did you mean "
         f"{close[0]}=? ({', '.join(known)} are read; other keywords are left to the other "
         "transforms of the chain.)"
       )
+
+
+def read_update_arguments(
+  extra_args: Mapping[str, Any], method: str, reads: tuple[str, ...] = UPDATE_KEYWORDS
+) -> UpdateArguments:
+  """The keywords in ``reads`` from all that ``update`` was given, near misses refused.
+
+  A keyword of :class:`UpdateArguments` outside ``reads`` is neither read nor
+  refused here: the caller decides what it means for its method.
+  """
+  check_extra_args([name for name in extra_args if name not in UPDATE_KEYWORDS], reads, method)
+  return UpdateArguments(**{name: extra_args[name] for name in reads if name in extra_args})
 
 
 def scalar_loss(value: Any) -> jax.Array:
