@@ -96,3 +96,14 @@ def in_float32(loss_fn, params):
 
 # Gradient scales from zero through float32's extremes.
 SCALES = [0.0, 1e-30, 1e-20, 1.0, 1e20, 1e30]
+
+
+def runtime_conditionals(fn, *args) -> int:
+  """How many ``lax.cond``/``lax.switch`` the jaxpr of ``fn(*args)`` holds that run as such.
+
+  A ``jax.lax.platform_dependent`` choice (the norms' form, per backend) is a ``cond`` on a
+  ``platform_index`` in the jaxpr, but it is resolved when the step is lowered: the compiled
+  program holds one branch and no conditional, so it is not counted.
+  """
+  text = str(jax.make_jaxpr(fn)(*args))
+  return text.count("cond[") - text.count("platform_index")

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import optax_gsam
+from optax_gsam._src import perturbation as perturbation_src
 
 
 def _tree(rng, scale=1.0, dtype=np.float64):
@@ -77,3 +78,64 @@ def test_bfloat16_norm_accumulates_in_float32():
   x = jnp.full((4096,), 1.0 + 2.0**-7, jnp.bfloat16)
   assert optax_gsam.stable_global_norm(x).dtype == jnp.float32
   assert float(optax_gsam.stable_global_norm(x)) == pytest.approx(64.0 * (1.0 + 2.0**-7), rel=1e-6)
+
+
+# Both forms of the norms, each checked on CPU: the public functions lower the first for CPU and
+# the second for TPU and GPU (jax.lax.platform_dependent).
+FORMS = {
+  "two_pass (cpu)": (perturbation_src._two_pass_norm, perturbation_src._two_pass_pair_stats),
+  "one_pass (tpu, gpu)": (perturbation_src._one_pass_norm, perturbation_src._one_pass_pair_stats),
+}
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("scale", [1e-30, 1e-20, 1e-10, 1.0, 1e10, 1e20, 1e30])
+def test_each_backends_norms_are_exact_across_float32s_range(form, scale):
+  """Against float64 numpy: no overflow or underflow in either form, jitted or not."""
+  norm, pair_stats = FORMS[form]
+  rng = np.random.default_rng(3)
+  a, b = _tree(rng, scale, np.float32), _tree(rng, scale, np.float32)
+  fa, fb = _flat(a), _flat(b)
+  cosine = fa @ fb / np.linalg.norm(fa) / np.linalg.norm(fb)
+  for run in (lambda f, *x: f(*x), lambda f, *x: jax.jit(f)(*x)):
+    assert float(run(norm, a)) == pytest.approx(np.linalg.norm(fa), rel=1e-6)
+    norm_a, norm_b, cos = run(pair_stats, a, b)
+    assert float(norm_a) == pytest.approx(np.linalg.norm(fa), rel=1e-6)
+    assert float(norm_b) == pytest.approx(np.linalg.norm(fb), rel=1e-6)
+    assert float(cos) == pytest.approx(cosine, rel=1e-5, abs=1e-6)
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_each_backends_norms_of_zero_bfloat16_complex_and_float64_trees(form):
+  norm, pair_stats = FORMS[form]
+  zeros = {"a": jnp.zeros(3), "b": jnp.zeros((0,))}
+  assert [float(v) for v in (norm(zeros), *pair_stats(zeros, zeros))] == [0.0] * 4
+  x = jnp.full((4096,), 1.0 + 2.0**-7, jnp.bfloat16)
+  assert norm(x).dtype == jnp.float32
+  assert float(norm(x)) == pytest.approx(64.0 * (1.0 + 2.0**-7), rel=1e-6)
+  z = jnp.array([3.0 + 4.0j, 1e20j], jnp.complex64)  # |z|^2 summed over real and imaginary parts
+  assert float(norm(z)) == pytest.approx(np.hypot(5.0, 1e20), rel=1e-6)
+  with jax.enable_x64(True):
+    rng = np.random.default_rng(4)
+    a, b = _tree(rng), _tree(rng)
+    fa, fb = _flat(a), _flat(b)
+    assert norm(a).dtype == jnp.float64
+    np.testing.assert_allclose(
+      [float(v) for v in pair_stats(a, b)],
+      [np.linalg.norm(fa), np.linalg.norm(fb), fa @ fb / np.linalg.norm(fa) / np.linalg.norm(fb)],
+      rtol=1e-13,
+    )
+
+
+def test_the_norms_lower_in_two_passes_for_cpu_and_in_one_for_tpu():
+  """CPU's form reduces each leaf by its largest entry first; TPU's forms its sums in one pass."""
+  tree = {"x": jnp.ones(3), "y": jnp.ones((2, 2))}
+  for fn, args in (
+    (optax_gsam.stable_global_norm, (tree,)),
+    (optax_gsam.gradient_stats, (tree, tree)),
+  ):
+    traced = jax.jit(fn).trace(*args)
+    text = {p: traced.lower(lowering_platforms=(p,)).as_text() for p in ("cpu", "tpu")}
+    assert text["cpu"].count("stablehlo.maximum") > 0, fn
+    assert text["tpu"].count("stablehlo.maximum") == 0, fn
+    assert "4.72236648E+21" in text["tpu"] and "4.72236648E+21" not in text["cpu"]  # 2^72

@@ -14,6 +14,7 @@ from _problems import all_finite
 from _problems import flatten
 from _problems import float32_problem
 from _problems import make_problem
+from _problems import runtime_conditionals
 from _problems import unflatten
 from jax.sharding import PartitionSpec as P
 
@@ -202,7 +203,7 @@ def count_conds(tx, params, loss_jax, **kwargs):
   def step(p, state):
     return tx.update(jax.grad(loss_jax)(p), state, p, loss_fn=loss_jax, **kwargs)
 
-  return str(jax.make_jaxpr(step)(params, tx.init(params))).count("cond[")
+  return runtime_conditionals(step, params, tx.init(params))
 
 
 def count_loss_traces(tx, params, loss_jax, **kwargs):
