@@ -1,5 +1,4 @@
-"""What the Flax tests share: the optimizers (one object each, so that jitted steps compile
-once per optimizer), a small batch and a tree comparison."""
+"""What the Flax tests share: the optimizers, a small batch and a tree comparison."""
 
 import jax
 import jax.numpy as jnp

@@ -201,8 +201,15 @@ def test_update_reads_its_keywords_from_what_the_chain_forwards():
     TypeError, match=r"los_fn=, which no argument of momentum_sam reads.*loss_fn="
   ):
     momentum.update(grads, momentum.init(w), w, loss_fn=loss_fn, los_fn=loss_fn)
-  with pytest.raises(ValueError, match=r"perturb=False.*momentum_sam does not take"):
-    momentum.update(grads, momentum.init(w), w, loss_fn=loss_fn, perturb=False)
+  for refused in (False, np.False_, jnp.array(False)):
+    with pytest.raises(ValueError, match=r"perturb=.*which momentum_sam does not take"):
+      momentum.update(grads, momentum.init(w), w, loss_fn=loss_fn, perturb=refused)
+  with pytest.raises(TypeError, match=r"pertub=, which no argument of momentum_sam.*perturb="):
+    momentum.update(grads, momentum.init(w), w, loss_fn=loss_fn, pertub=False)
+  always, _ = momentum.update(grads, momentum.init(w), w, loss_fn=loss_fn, perturb=True)
+  np.testing.assert_array_equal(
+    always, momentum.update(grads, momentum.init(w), w, loss_fn=loss_fn)[0]
+  )
   # value= is optax's name for the clean loss: momentum_sam has no clean pass and ignores it.
   ignored, _ = momentum.update(grads, momentum.init(w), w, loss_fn=loss_fn, value=loss_fn(w))
   np.testing.assert_array_equal(

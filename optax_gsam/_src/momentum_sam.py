@@ -63,8 +63,9 @@ class MomentumSAMState(NamedTuple):
   fallback_count: jax.Array
 
 
-# What momentum_sam's update reads. Not value=: it has no clean pass whose loss to record.
-_READS = ("loss_fn", "value_and_grad_fn", "batch", "key", "model_state")
+# What momentum_sam's update reads (perturb= only to refuse a step without the perturbation).
+# Not value=: it has no clean pass whose loss to record.
+_READS = ("loss_fn", "value_and_grad_fn", "perturb", "batch", "key", "model_state")
 
 
 def _whole_batch_grad_fn(call: UpdateArguments, microbatches, inputs, axis_name) -> Callable:
@@ -219,10 +220,10 @@ def momentum_sam(
   ) -> tuple[optax.Updates, MomentumSAMState]:
     check_placement("momentum_sam")
     call = read_update_arguments(extra_args, "momentum_sam", _READS)
-    if extra_args.get("perturb") is False:
+    if call.perturb is not None and call.perturb is not True:
       raise ValueError(
-        "update() got perturb=False, a step without the perturbation, which momentum_sam does "
-        "not take: it perturbs at every step. Cheap steps are gsam/sam's (policy=)."
+        f"update() got perturb={call.perturb!r}, which momentum_sam does not take: it perturbs "
+        "at every step (leave perturb= out). Cheap steps are gsam/sam's (policy=)."
       )
     params = numbers_as_arrays(params)
     check_not_masked(params, "momentum_sam")

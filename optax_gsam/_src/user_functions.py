@@ -49,7 +49,7 @@ class UpdateArguments(NamedTuple):
   loss_fn: Callable | None = None
   value_and_grad_fn: Callable | None = None
   value: Any = None
-  perturb: Any = None
+  perturb: bool | None = None
   batch: Any = None
   key: jax.Array | None = None
   model_state: Any = None
@@ -228,8 +228,8 @@ def read_update_arguments(
 ) -> UpdateArguments:
   """The keywords in ``reads`` from all that ``update`` was given, near misses refused.
 
-  A keyword of :class:`UpdateArguments` outside ``reads`` is neither read nor
-  refused here: the caller decides what it means for its method.
+  A keyword of :class:`UpdateArguments` outside ``reads`` is dropped, as another
+  transform's is (``value=`` for ``momentum_sam``, which has no clean loss to record).
   """
   check_extra_args([name for name in extra_args if name not in UPDATE_KEYWORDS], reads, method)
   return UpdateArguments(**{name: extra_args[name] for name in reads if name in extra_args})
