@@ -194,7 +194,7 @@ def check_update(updates, state, params, perturb, settings, check_axis, inputs):
   """
   check_perturb(perturb, settings.policy)
   check_not_masked(params)
-  k = settings.num_groups if settings.num_groups is not None else settings.microbatches
+  k = settings.split
   if updates is None and k is None:
     raise ValueError(
       "updates is None: pass the clean gradient of loss_fn at params (the usual "

@@ -135,11 +135,11 @@ def user_grad_fn(
   loss_fn: Callable | None,
   value_and_grad_fn: Callable | None,
   inputs: MicrobatchInputs,
-  settings: Any,
+  k: int | None,
 ) -> ValueAndGradWithArgsFn:
-  """The user's function as ``(params, *args) -> (value, grads)``, its call form checked."""
+  """The user's function as ``(params, *args) -> (value, grads)``, its call form checked
+  against ``k`` micro-batches (none to check when ``k`` is ``None``)."""
   grad_fn = value_and_grad_from(loss_fn, value_and_grad_fn)
-  k = settings.num_groups if settings.num_groups is not None else settings.microbatches
   if k is not None:
     name = "loss_fn" if loss_fn is not None else "value_and_grad_fn"
     check_call_form(loss_fn if loss_fn is not None else value_and_grad_fn, name, inputs, k)

@@ -20,7 +20,7 @@ from optax_gsam._src.ascent import check_mask
 from optax_gsam._src.ascent import resolve_mask
 from optax_gsam._src.ascent import select_leaves
 from optax_gsam._src.microbatch_state import MicrobatchInputs
-from optax_gsam._src.microbatch_state import check_call_form
+from optax_gsam._src.microbatch_state import user_grad_fn
 from optax_gsam._src.microbatch_state import whole_batch_grad_fn
 from optax_gsam._src.placement import check_not_in_multisteps
 from optax_gsam._src.placement import check_not_masked
@@ -29,7 +29,6 @@ from optax_gsam._src.schedules import value_at
 from optax_gsam._src.user_functions import UpdateArguments
 from optax_gsam._src.user_functions import read_update_arguments
 from optax_gsam._src.user_functions import scalar_loss
-from optax_gsam._src.user_functions import value_and_grad_from
 from optax_gsam._src.validation import check_axis_name
 from optax_gsam._src.validation import check_data_axis_is_set
 from optax_gsam._src.validation import check_non_negative
@@ -70,19 +69,13 @@ _READS = ("loss_fn", "value_and_grad_fn", "perturb", "batch", "key", "model_stat
 
 def _whole_batch_grad_fn(call: UpdateArguments, microbatches, inputs, axis_name) -> Callable:
   """The user's function, accumulated over micro-batches where ``microbatches`` is set."""
-  grad_fn = value_and_grad_from(call.loss_fn, call.value_and_grad_fn)
   if inputs.model_state is not None:
     raise ValueError(
       "momentum_sam does not read model_state=: its one pass is at the perturbed weights, so "
       "it has no clean pass whose state to keep. Close over the state in loss_fn."
     )
+  grad_fn = user_grad_fn(call.loss_fn, call.value_and_grad_fn, inputs, microbatches)
   if microbatches is not None:
-    fn, name = (
-      (call.loss_fn, "loss_fn")
-      if call.loss_fn is not None
-      else (call.value_and_grad_fn, "value_and_grad_fn")
-    )
-    check_call_form(fn, name, inputs, microbatches)
     return whole_batch_grad_fn(grad_fn, inputs, microbatches, axis_name)
   if inputs.given:
     raise ValueError(

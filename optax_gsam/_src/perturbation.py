@@ -224,7 +224,7 @@ def _underflow_floor(*trees: optax.Params) -> float:
   if not leaves:
     return 0.0
   worst = max(
-    float(jnp.finfo(real_dtype(x.dtype)).tiny / jnp.finfo(real_dtype(x.dtype)).eps) for x in leaves
+    float(info.tiny / info.eps) for info in (jnp.finfo(real_dtype(x.dtype)) for x in leaves)
   )
   products = lambda tree: sum(
     x.size * (2 if jnp.iscomplexobj(x) else 1) for x in jax.tree.leaves(tree)

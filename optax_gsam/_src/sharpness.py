@@ -227,7 +227,7 @@ def _update_fn(settings: step.Settings, rho: optax.ScalarOrSchedule, check_axis:
       state.diagnostics,
       state.ascent_state,
     )
-    grad_fn = micro.user_grad_fn(call.loss_fn, call.value_and_grad_fn, inputs, settings)
+    grad_fn = micro.user_grad_fn(call.loss_fn, call.value_and_grad_fn, inputs, settings.split)
     clean_loss = scalar_loss(call.value) if call.value is not None else None
     outcome, policy_state, evaluations = _run_stages(
       context, updates, params, grad_fn, clean_loss, call.perturb, inputs

@@ -73,6 +73,11 @@ class Settings(NamedTuple):
     return ascent_from_adaptive(self.adaptive, self.eps)
 
   @property
+  def split(self) -> int | None:
+    """Into how many micro-batches ``update`` splits the batch, in either semantics."""
+    return self.num_groups if self.num_groups is not None else self.microbatches
+
+  @property
   def per_device(self) -> bool:
     return self.axis_name is not None and not self.sync_perturbation
 
