@@ -12,9 +12,12 @@ function agree:
 * an unknown keyword raises ``TypeError``, as for a written-out signature;
 * ``typing.get_type_hints`` gives every parameter's type.
 
-The annotations stay as written (strings, under postponed evaluation), which
-the docs show by their public names; each must resolve in the module of the
-decorated function, which is checked when it is decorated.
+The signature carries the annotation objects, as a signature written out
+without postponed evaluation would (optax's common tests find a schedulable
+argument by ``annotation in (optax.ScalarOrSchedule, optax.Schedule)``), while
+``__annotations__`` keeps them as written, the strings that Sphinx shows by
+their public names. :func:`runtime_signature` does the same for a function
+with a written-out signature.
 """
 
 from __future__ import annotations
@@ -72,7 +75,6 @@ def takes_keywords(group: type, defaults: Mapping[str, Any]) -> Callable[[F], F]
       bound.apply_defaults()
       return fn(**bound.arguments)
 
-    call.__signature__ = shown  # type: ignore[attr-defined]
     # As written, as the docs show them; typing.get_type_hints resolves them where ``fn`` is
     # defined, so a name the group uses must be importable there. Checked now, not in the docs.
     call.__annotations__ = {
@@ -81,6 +83,40 @@ def takes_keywords(group: type, defaults: Mapping[str, Any]) -> Callable[[F], F]
     if shown.return_annotation is not shown.empty:
       call.__annotations__["return"] = shown.return_annotation
     typing.get_type_hints(call)
+    call.__signature__ = _resolved(shown, fn.__globals__)  # type: ignore[attr-defined]
     return cast(F, call)
 
   return decorate
+
+
+def runtime_signature(fn: F) -> F:
+  """Gives ``fn``'s signature its annotation objects; ``__annotations__`` stays as written.
+
+  Under postponed evaluation (``from __future__ import annotations``) the
+  signature's annotations are strings, and a test that looks for
+  ``optax.ScalarOrSchedule`` by identity or equality (optax's common optimizer
+  tests do) finds no schedulable argument.
+
+  Args:
+    fn: a function whose annotations resolve in its module.
+
+  Returns:
+    ``fn`` itself, with ``__signature__`` set.
+  """
+  fn.__signature__ = _resolved(inspect.signature(fn), fn.__globals__)  # type: ignore[attr-defined]
+  return fn
+
+
+def _resolved(signature: inspect.Signature, namespace: dict[str, Any]) -> inspect.Signature:
+  """``signature`` with each string annotation evaluated in ``namespace`` (a module's globals).
+
+  As ``inspect.signature(fn, eval_str=True)``: the expression is evaluated, the forward
+  references inside the objects it names (``optax.Updates``' own) are left as they are.
+  """
+  evaluated = lambda a: eval(a, namespace) if isinstance(a, str) else a
+  parameters = [
+    p.replace(annotation=evaluated(p.annotation)) for p in signature.parameters.values()
+  ]
+  return signature.replace(
+    parameters=parameters, return_annotation=evaluated(signature.return_annotation)
+  )

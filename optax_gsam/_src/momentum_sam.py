@@ -19,6 +19,7 @@ from optax_gsam._src.ascent import MaskOrFn
 from optax_gsam._src.ascent import check_mask
 from optax_gsam._src.ascent import resolve_mask
 from optax_gsam._src.ascent import select_leaves
+from optax_gsam._src.keywords import runtime_signature
 from optax_gsam._src.microbatch_state import MicrobatchInputs
 from optax_gsam._src.microbatch_state import user_grad_fn
 from optax_gsam._src.microbatch_state import whole_batch_grad_fn
@@ -110,6 +111,7 @@ def _next_state(state, grads, loss, rho_t, rho_ok, momentum) -> MomentumSAMState
   )
 
 
+@runtime_signature
 def momentum_sam(
   rho: optax.ScalarOrSchedule,
   momentum: float = 0.9,

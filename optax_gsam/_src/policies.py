@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from optax_gsam._src.keywords import runtime_signature
 from optax_gsam._src.perturbation import DEFAULT_MAX_AMPLIFICATION
 from optax_gsam._src.perturbation import REUSE_SCALES
 from optax_gsam._src.schedules import value_at
@@ -169,6 +170,7 @@ def _check_reuse_scale(reuse_scale: str, max_amplification) -> None:
     check_positive("max_amplification", max_amplification)
 
 
+@runtime_signature
 def every_k_policy(
   k: int,
   *,
@@ -273,6 +275,7 @@ def _capped(signal: jax.Array, mean: jax.Array, count: jax.Array, decay: float, 
   return jnp.where((mean > 0) & (weight > 0), jnp.minimum(signal, limit), signal)
 
 
+@runtime_signature
 def gradient_norm_policy(
   threshold: optax.ScalarOrSchedule = 0.0,
   *,
@@ -367,6 +370,7 @@ def gradient_norm_policy(
   )
 
 
+@runtime_signature
 def random_policy(
   probability: optax.ScalarOrSchedule,
   *,

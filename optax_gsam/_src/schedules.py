@@ -7,11 +7,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from optax_gsam._src.keywords import runtime_signature
 from optax_gsam._src.validation import check_non_negative
 from optax_gsam._src.validation import check_positive_int
 from optax_gsam._src.validation import is_real_number
 
 
+@runtime_signature
 def schedule_extrema(schedule: optax.ScalarOrSchedule, num_steps: int) -> tuple[float, float]:
   """The peak of ``schedule`` over steps [0, num_steps] and its value at num_steps.
 
@@ -46,6 +48,7 @@ def schedule_extrema(schedule: optax.ScalarOrSchedule, num_steps: int) -> tuple[
   return float(values.max()), float(values[-1])
 
 
+@runtime_signature
 def rho_from_lr(
   lr_schedule: optax.ScalarOrSchedule,
   rho_max: float,

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import optax
 
 from optax_gsam._src import step
+from optax_gsam._src.keywords import runtime_signature
 from optax_gsam._src.policies import SharpnessPolicy
 from optax_gsam._src.policies import policy_from_arguments
 from optax_gsam._src.sharpness import GSAMState
@@ -28,6 +29,7 @@ def _find_state(opt_state: Any) -> GSAMState:
   return found[0]
 
 
+@runtime_signature
 def full_step_due(
   opt_state: Any,
   grads: optax.Updates,
