@@ -16,6 +16,7 @@ from optax_gsam._src.contrastive import clip_loss
 from optax_gsam._src.contrastive import siglip_loss
 from optax_gsam._src.distributed import data_parallel
 from optax_gsam._src.distributed import emulate_devices
+from optax_gsam._src.frozen import frozen_leaves
 from optax_gsam._src.gradient_cache import cached_value_and_grad
 from optax_gsam._src.hessian import SpectralDensity
 from optax_gsam._src.hessian import TraceEstimate
@@ -72,6 +73,7 @@ __all__ = (
   "every_k_policy",
   "every_step_policy",
   "friendly_ascent",
+  "frozen_leaves",
   "full_step_due",
   "gradient_norm_policy",
   "gradient_stats",

@@ -43,6 +43,7 @@ from flax.training import train_state
 
 from optax_gsam._src.user_functions import UPDATE_KEYWORDS
 from optax_gsam._src.user_functions import MissingLossFunctionError
+from optax_gsam._src.user_functions import call_form_error
 
 __all__ = ("TrainState", "nnx_loss_fn", "nnx_microbatch_loss_fn")
 
@@ -279,6 +280,23 @@ def _check_nnx_arguments(loss_fn: Any, model: Any) -> None:
     )
 
 
+def _check_microbatch_call(loss_fn: Callable[..., Any], args: tuple) -> None:
+  """``loss_fn`` takes ``(model, microbatch, *args)``, as :func:`nnx_microbatch_loss_fn` calls it."""
+  problem = call_form_error(loss_fn, 2 + len(args))
+  if problem is None:
+    return
+  extra = ["key"] if len(args) == 1 else [f"arg{i}" for i in range(len(args))]
+  call = ", ".join(["model", "microbatch", *extra])
+  raise TypeError(
+    f"nnx_microbatch_loss_fn's loss calls loss_fn({call}) once per micro-batch: a copy of the "
+    "model, the micro-batch of batch= (its int32 index without batch=) and, with key=, the "
+    f"micro-batch's PRNG key. loss_fn does not take these arguments ({problem}). Define "
+    "loss_fn(model, microbatch), or loss_fn(model, microbatch, key) with key=, returning the "
+    "loss of one micro-batch; a loss that closes over its batch goes with nnx_loss_fn, in a "
+    "step without micro-batches."
+  )
+
+
 def nnx_loss_fn(
   loss_fn: Callable[..., Any],
   model: nnx.Module,
@@ -417,7 +435,9 @@ def nnx_microbatch_loss_fn(
     ``model`` and the pure arrays of the rest of its state.
 
   Raises:
-    TypeError: when ``loss_fn`` is not callable or ``model`` is not an NNX object.
+    TypeError: when ``loss_fn`` is not callable or ``model`` is not an NNX object;
+      from the returned function, when ``loss_fn`` cannot take ``(model,
+      microbatch[, key])``.
 
   Example:
     >>> import jax.numpy as jnp, optax, optax_gsam
@@ -444,6 +464,7 @@ def nnx_microbatch_loss_fn(
   graphdef, params, *others = nnx.split(model, wrt, ...)
 
   def stateful_loss_fn(params: Any, model_state: Any, microbatch: Any, *args: Any):
+    _check_microbatch_call(loss_fn, args)
     copy = nnx.merge(graphdef, params, model_state)
     output = loss_fn(copy, microbatch, *args)
     loss = output[0] if isinstance(output, (tuple, list)) else output

@@ -207,6 +207,28 @@ def test_whole_model_as_params_gets_the_equinox_fix():
   assert not user_functions.holds_equinox_module({"w": jnp.ones(2)})
 
 
+def test_whole_model_to_accumulate_value_and_grad_gets_the_equinox_fix():
+  """The whole model (BatchNorm's axis_name "batch" a str leaf) as params used to fail inside JAX
+  with "Argument 'batch' of type <class 'str'>", which reads as if the batch were wrong."""
+  model, state = eqx.nn.make_with_state(Net)(jax.random.key(1))
+  x, y = data()
+  key = jax.random.key(2)
+  microbatch_loss = lambda model, state, microbatch, key: loss(model, state, *microbatch, key)
+  inputs = dict(microbatches=2, model_state=state, key=key)
+  with pytest.raises(
+    ValueError,
+    match=r"accumulate_value_and_grad differentiates every leaf of params.*"
+    r"params\.norm\.axis_name: str.*eqx\.partition\(model, eqx\.is_inexact_array\)",
+  ):
+    optax_gsam.accumulate_value_and_grad(microbatch_loss, model, (x, y), **inputs)
+  # The fix the message shows.
+  params, static = eqx.partition(model, eqx.is_inexact_array)
+  of_params = lambda p, *args: microbatch_loss(eqx.combine(p, static), *args)
+  (_, new_state), grads = optax_gsam.accumulate_value_and_grad(of_params, params, (x, y), **inputs)
+  assert jax.tree.structure(grads) == jax.tree.structure(params)
+  assert jax.tree.structure(new_state) == jax.tree.structure(state)
+
+
 def test_import_optax_gsam_does_not_import_equinox_or_haiku():
   code = "import sys, optax_gsam; assert not {'equinox', 'haiku'} & set(sys.modules)"
   subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

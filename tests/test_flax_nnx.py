@@ -21,7 +21,9 @@ from _flax_common import data
 from _flax_common import max_tree_diff
 from flax import nnx
 
+import optax_gsam
 from optax_gsam.flax import nnx_loss_fn
+from optax_gsam.flax import nnx_microbatch_loss_fn
 
 
 class NNXNet(nnx.Module):
@@ -342,6 +344,33 @@ def test_nnx_loss_fn_rejects_a_params_tree(bad_model):
     nnx_loss_fn(cross_entropy, bad_model)
   with pytest.raises(TypeError, match="callable"):
     nnx_loss_fn("loss", NNXNet(nnx.Rngs(0)))
+
+
+def test_nnx_microbatch_loss_of_the_wrong_arity_names_the_call_form():
+  """A loss of the model alone used to raise Python's bare '<lambda>() takes 1 positional
+  argument but 2 were given' from inside optax_gsam/flax.py."""
+  model = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
+  batch = jnp.ones((4, 4))
+  of_model = lambda m: jnp.mean(m(batch) ** 2)
+  f, params, state = nnx_microbatch_loss_fn(of_model, model)
+  with pytest.raises(
+    TypeError,
+    match=r"calls loss_fn\(model, microbatch\) once per micro-batch.*does not take these "
+    r"arguments \(too many positional arguments\)\. Define loss_fn\(model, microbatch\)",
+  ):
+    optax_gsam.accumulate_value_and_grad(f, params, batch, microbatches=2, model_state=state)
+  of_microbatch = lambda m, microbatch: jnp.mean(m(microbatch) ** 2)
+  f, params, state = nnx_microbatch_loss_fn(of_microbatch, model)
+  with pytest.raises(TypeError, match=r"calls loss_fn\(model, microbatch, key\)"):
+    optax_gsam.accumulate_value_and_grad(
+      f, params, batch, microbatches=2, model_state=state, key=jax.random.key(0)
+    )
+  # The right form runs; a TypeError raised inside it is the loss's own, left as it is.
+  optax_gsam.accumulate_value_and_grad(f, params, batch, microbatches=2, model_state=state)
+  f, params, state = nnx_microbatch_loss_fn(lambda m, b: m(b) + "x", model)
+  with pytest.raises(TypeError) as error:
+    optax_gsam.accumulate_value_and_grad(f, params, batch, microbatches=2, model_state=state)
+  assert "nnx_microbatch_loss_fn" not in str(error.value)
 
 
 def test_nnx_loss_fn_called_after_the_clean_pass_raises():

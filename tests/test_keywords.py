@@ -100,11 +100,16 @@ def _parabola_run(tx, steps=10):
   """optax's schedule test: ten steps on a parabola, the sharpness-aware keywords given."""
   loss_fn = lambda w: jnp.sum(jnp.square(w - jnp.array([1.0, -2.0, 0.5])) * jnp.arange(1.0, 4.0))
   w = jnp.array([0.3, 0.1, -0.2])
-  state = tx.init(w)
-  for _ in range(steps):
+
+  @jax.jit
+  def step(w, state):
     value, grads = jax.value_and_grad(loss_fn)(w)
     updates, state = tx.update(grads, state, w, loss_fn=loss_fn, value=value)
-    w = optax.apply_updates(w, updates)
+    return optax.apply_updates(w, updates), state
+
+  state = tx.init(w)
+  for _ in range(steps):
+    w, state = step(w, state)
   return w
 
 

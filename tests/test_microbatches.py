@@ -226,6 +226,45 @@ def test_multisteps_called_as_the_microbatch_docs_call_it_names_microbatches():
     tx.update(None, tx.init(params), params, loss_fn=batch_loss, batch=batch)
 
 
+def test_multisteps_with_a_model_state_names_accumulate_value_and_grad():
+  """The fix MultiSteps' error showed, update(None, ...), is itself refused with model_state=:
+  the error names the route that keeps the new model state, and that route runs."""
+  params, x, t = jax.tree.map(jnp.asarray, make_data(16))
+  batch = (x, t)
+  counted = lambda p, count, microbatch: (batch_loss(p, microbatch), count + 1)
+  inner = optax.chain(optax_gsam.sam(0.05, microbatches=K), optax.sgd(0.1))
+  with pytest.raises(
+    ValueError,
+    match=r"optax.MultiSteps.*With a model state.*loss_fn\(params, model_state, microbatch\).*"
+    r"optax_gsam\.accumulate_value_and_grad\(loss_fn, params, batch, microbatches=k, "
+    r"model_state=model_state\), then pass grads \(not None\) to update\(\)",
+  ):
+    optax.MultiSteps(inner, every_k_schedule=2).init(params)
+  inputs = dict(batch=batch, model_state=jnp.zeros([], jnp.int32))
+  (_, count), grads = optax_gsam.accumulate_value_and_grad(
+    counted, params, microbatches=K, **inputs
+  )
+  inner.update(grads, inner.init(params), params, loss_fn=counted, **inputs)
+  assert int(count) == K
+
+
+def test_the_call_form_error_names_the_function_that_calls_loss_fn():
+  """momentum_sam's and accumulate_value_and_grad's errors used to say 'gsam/sam call'."""
+  params, x, t = jax.tree.map(jnp.asarray, make_data(17))
+  batch = (x, t)
+  whole = lambda p: batch_loss(p, batch)
+  tx = optax_gsam.momentum_sam(RHO, microbatches=K)
+  with pytest.raises(ValueError, match=r"momentum_sam calls loss_fn\(params, microbatch\)"):
+    tx.update(None, tx.init(params), params, loss_fn=whole, batch=batch)
+  with pytest.raises(
+    ValueError, match=r"optax_gsam\.accumulate_value_and_grad calls loss_fn\(params, microbatch\)"
+  ):
+    optax_gsam.accumulate_value_and_grad(whole, params, batch, microbatches=K)
+  gsam = optax_gsam.gsam(RHO, microbatches=K)
+  with pytest.raises(ValueError, match=r"gsam/sam calls loss_fn\(params, microbatch\)"):
+    gsam.update(None, gsam.init(params), params, loss_fn=whole, batch=batch)
+
+
 @pytest.mark.parametrize(
   "call, match",
   [

@@ -193,3 +193,38 @@ def test_optax_masked_around_momentum_sam_names_the_mask_argument():
   grads = jax.grad(loss_fn)(params)
   with pytest.raises(ValueError, match=r"momentum_sam got params with optax.MaskedNode.*mask="):
     tx.update(grads, tx.init(params), params, loss_fn=loss_fn)
+
+
+def test_lookahead_with_the_loss_bound_into_its_fast_optimizer_is_lookahead_over_sam():
+  """The documented form (docs/getting_started.md) against Lookahead over SAM, from the formulas.
+
+  Without the binding, the missing loss function's error names the form.
+  """
+  rho, lr, period, slow_step = 0.05, 0.1, 3, 0.5
+  with jax.enable_x64(True):
+    w0 = W.astype(jnp.float64)
+
+    def lookahead(loss_fn):
+      tx = optax.chain(optax_gsam.sam(rho), optax.sgd(lr))
+      fast = optax.GradientTransformation(
+        tx.init, lambda u, s, p: tx.update(u, s, p, loss_fn=loss_fn)
+      )
+      return optax.lookahead(fast, sync_period=period, slow_step_size=slow_step)
+
+    params = optax.LookaheadParams.init_synced(w0)
+    state = lookahead(None).init(params)
+    fast = slow = w0
+    for step in range(2 * period + 1):
+      updates, state = lookahead(LOSS).update(jax.grad(LOSS)(params.fast), state, params)
+      params = optax.apply_updates(params, updates)
+      g = jax.grad(LOSS)(fast)
+      fast = fast - lr * jax.grad(LOSS)(fast + rho * g / jnp.linalg.norm(g))
+      if (step + 1) % period == 0:
+        slow = fast = slow + slow_step * (fast - slow)
+      np.testing.assert_allclose(params.fast, fast, rtol=1e-12)
+      np.testing.assert_allclose(params.slow, slow, rtol=1e-12)
+
+  unbound = optax.lookahead(optax.chain(optax_gsam.sam(rho), optax.sgd(lr)), period, slow_step)
+  params = optax.LookaheadParams.init_synced(W)
+  with pytest.raises(ValueError, match=r"optax.lookahead calls its fast optimizer.*partial"):
+    unbound.update(jax.grad(LOSS)(W), unbound.init(params), params)

@@ -99,6 +99,64 @@ def test_works_as_gsam_rho_under_jit():
   assert float(jax.jit(rho)(jnp.int32(50))) == pytest.approx(0.6)
 
 
+def test_a_sweep_over_rho_max_under_vmap_equals_separate_schedules():
+  """GSAM's schedule vmapped over rho_max (and a train step built on it) used to stop with "rho_max
+  and rho_min must be numbers"; each lane is the schedule built with that rho_max alone."""
+  schedule, lr_max, lr_min = SCHEDULES["warmup_linear"]
+  sweep, rho_min = (0.05, 0.1, 0.6), 0.02
+  steps = jnp.array([0, 1, 50, 100, 101, 500, 999, 1000])
+
+  def rho_values(rho_max):
+    return jax.vmap(optax_gsam.rho_from_lr(schedule, rho_max, rho_min, num_steps=1000))(steps)
+
+  swept = jax.jit(jax.vmap(rho_values))(jnp.asarray(sweep))
+  for row, rho_max in zip(swept, sweep, strict=True):
+    np.testing.assert_allclose(row, rho_values(rho_max), rtol=1e-6)
+    lrs = [float(schedule(step)) for step in steps]
+    expected = [
+      min(max(legacy_rho(lr, rho_max, rho_min, lr_max, lr_min), rho_min), rho_max) for lr in lrs
+    ]
+    np.testing.assert_allclose(row, expected, rtol=1e-5, atol=1e-7)
+
+  # A whole SAM step, swept over rho_max: the same updates as one step per value.
+  lr = optax.cosine_decay_schedule(0.1, 1000, alpha=0.01)  # the peak at step 0: rho_0 = rho_max
+  w = jnp.array([0.3, -1.2, 0.8])
+  loss_fn = lambda w: jnp.sum(jnp.cos(w) * w**2)
+
+  def sam_updates(rho_max):
+    tx = optax.chain(
+      optax_gsam.sam(optax_gsam.rho_from_lr(lr, rho_max, 0.0, num_steps=1000)), optax.sgd(lr)
+    )
+    return tx.update(jax.grad(loss_fn)(w), tx.init(w), w, loss_fn=loss_fn)[0]
+
+  swept = jax.vmap(sam_updates)(jnp.asarray(sweep))
+  for row, rho_max in zip(swept, sweep, strict=True):
+    np.testing.assert_allclose(row, sam_updates(rho_max), rtol=1e-6)
+    g = jax.grad(loss_fn)(w)  # SAM's update from its formula: -lr * grad f(w + rho g / |g|)
+    np.testing.assert_allclose(
+      row, -0.1 * jax.grad(loss_fn)(w + rho_max * g / jnp.linalg.norm(g)), rtol=1e-5
+    )
+
+
+def test_concrete_array_bounds_are_read_and_checked_as_numbers():
+  """Scalar arrays used to be refused; concrete ones are now checked as the numbers are."""
+  schedule, _, _ = SCHEDULES["warmup_cosine"]
+  arrays = optax_gsam.rho_from_lr(schedule, jnp.float32(0.6), np.float64(0.1), num_steps=1000)
+  numbers = optax_gsam.rho_from_lr(schedule, 0.6, 0.1, num_steps=1000)
+  steps = jnp.arange(0, 1001, 50)
+  np.testing.assert_allclose(jax.vmap(arrays)(steps), jax.vmap(numbers)(steps), rtol=1e-6)
+  assert jax.vmap(arrays)(steps).dtype == jnp.float32
+  for rho_max, rho_min, match in [
+    (jnp.float32(0.1), jnp.float32(0.6), r"rho_min \(.*\) must be <= rho_max"),
+    (jnp.float32(-0.1), 0.0, "rho_max must be a finite number >= 0"),
+    (jnp.float32(jnp.nan), 0.0, "rho_max must be a finite number >= 0"),
+    (0.6, jnp.float32(jnp.inf), "rho_min must be a finite number >= 0"),
+    (jnp.ones(2), 0.0, "rho_max must be a finite number >= 0 or a scalar array"),
+  ]:
+    with pytest.raises(ValueError, match=match):
+      optax_gsam.rho_from_lr(schedule, rho_max, rho_min, num_steps=1000)
+
+
 BAD = [
   (dict(rho_max=0.1, rho_min=0.6, num_steps=10), "rho_min"),
   (dict(rho_max=-0.1, rho_min=0.0, num_steps=10), "rho_max"),

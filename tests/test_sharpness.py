@@ -198,6 +198,27 @@ def test_inject_hyperparams_matches_plain_and_can_be_changed():
   assert not optax.tree.allclose(u_changed, u_same)
 
 
+@pytest.mark.parametrize("scheduled", [False, True], ids=["float", "schedule"])
+def test_the_documented_call_reads_the_injected_rho(scheduled):
+  """GSAMState.last_rho's docstring: tree.get with an array filter, for a float and a schedule."""
+  p, loss_jax = float32_problem(seed=7)
+  grads = jax.grad(loss_jax)(p)
+  schedule = optax.linear_schedule(0.2, 0.02, 10)
+  injected = optax.inject_hyperparams(optax_gsam.gsam)(rho=schedule if scheduled else 0.1)
+  tx = optax.chain(injected, optax.sgd(0.1))
+  state = tx.init(p)
+  is_array = lambda path, value: isinstance(value, jax.Array)
+  for i in range(3):
+    _, state = tx.update(grads, state, p, loss_fn=loss_jax)
+    expected = float(schedule(i)) if scheduled else 0.1
+    rho = optax.tree.get(state, "rho", filtering=is_array)
+    assert float(rho) == pytest.approx(expected)
+    assert float(state[0].hyperparams["rho"]) == pytest.approx(expected)
+  if scheduled:  # the schedule's own state is a second "rho"
+    with pytest.raises(KeyError, match="multiple values for 'rho'"):
+      optax.tree.get(state, "rho")
+
+
 def test_jit_does_not_recompile_on_second_call():
   p, loss_jax = float32_problem(seed=8)
   tx = optax.chain(

@@ -40,6 +40,7 @@ class SharpnessOptions(TypedDict, total=False):
   ascent: optax.GradientTransformation | None
   ascent_steps: int | None
   mask: Any
+  frozen: Any
   policy: SharpnessPolicy | None
   microbatches: int | None
   perturb_each_microbatch: bool
@@ -62,6 +63,7 @@ SHARPNESS_DEFAULTS: dict[str, Any] = {
   "ascent": None,
   "ascent_steps": None,
   "mask": None,
+  "frozen": None,
   "policy": None,
   "microbatches": None,
   "perturb_each_microbatch": False,

@@ -139,13 +139,15 @@ def accumulated(fns: MicrobatchFn, num_microbatches: int) -> ValueAndGradFn:
   """``params -> (mean loss, mean gradient)`` over the micro-batches: the whole batch's.
 
   With equal micro-batches and a loss that is a mean over examples, this is
-  the whole batch's loss and gradient up to rounding (float64 to ~1e-15).
+  the whole batch's loss and gradient up to rounding (float64 to ~1e-15). The
+  loss is summed and returned in its compute dtype (float32 at least, float64
+  as it is), the gradient in the params' dtypes.
   """
 
   def value_and_grad(params: optax.Params) -> tuple[jax.Array, optax.Updates]:
     def of(index):
       value, grads = fns(index)(params)
-      return scalar_loss(value), grads
+      return scalar_loss(value, None), grads
 
     loss, grads = average_over(num_microbatches, of, like=(jnp.zeros([]), params))
     return loss, optax.tree.cast_like(grads, params)

@@ -17,7 +17,6 @@ micro-batch ``i`` the same value in both passes) and drops it.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 from typing import Any
 from typing import NamedTuple
@@ -33,9 +32,13 @@ from optax_gsam._src.microbatch import mean_and_state
 from optax_gsam._src.microbatch import microbatch_fns
 from optax_gsam._src.user_functions import ValueAndGradFn
 from optax_gsam._src.user_functions import ValueAndGradWithArgsFn
+from optax_gsam._src.user_functions import call_form_error
 from optax_gsam._src.user_functions import scalar_loss
 from optax_gsam._src.user_functions import value_and_grad_from
+from optax_gsam._src.validation import check_params_leaves
 from optax_gsam._src.validation import check_positive_int
+
+_ACCUMULATE = "optax_gsam.accumulate_value_and_grad"
 
 HELPER_FIX = (
   "update() cannot return a new model_state (optax's update returns only the updates and "
@@ -100,35 +103,36 @@ def describe_call(inputs: MicrobatchInputs) -> str:
   return f"({', '.join(parts)})"
 
 
-def check_call_form(fn: Callable | None, name: str, inputs: MicrobatchInputs, k: int) -> None:
-  """Raises a ValueError where ``fn`` cannot take the arguments the micro-batches give it."""
+def check_call_form(
+  fn: Callable | None, name: str, inputs: MicrobatchInputs, k: int, method: str = "gsam/sam"
+) -> None:
+  """Raises a ValueError where ``fn`` cannot take the arguments the micro-batches give it.
+
+  ``method`` names the caller in the message (``momentum_sam``,
+  ``optax_gsam.accumulate_value_and_grad``).
+  """
   if fn is None:
     return
-  try:
-    signature = inspect.signature(fn)
-  except (TypeError, ValueError):  # A builtin or an opaque callable: let the call decide.
-    return
   call = describe_call(inputs)
-  count = call.count(",") + 1
-  try:
-    signature.bind(*range(count))
-  except TypeError as error:
-    index_form = ""
-    if inputs.batch is None:
-      index_form = (
-        f" Without batch=, {name} receives the micro-batch index (an int32 scalar in "
-        f"[0, {k})) in place of the micro-batch and selects its data itself; or pass batch= and "
-        "take the micro-batch."
-      )
-    extras = ""
-    if inputs.model_state is not None:
-      extras += " With model_state=, it returns (loss, new_model_state)."
-    if inputs.key is not None:
-      extras += " With key=, the last argument is the micro-batch's own PRNG key."
-    raise ValueError(
-      f"With microbatches={k}, gsam/sam call {name}{call} once per micro-batch, but {name} "
-      f"does not take these arguments ({error}).{index_form}{extras}"
-    ) from None
+  error = call_form_error(fn, call.count(",") + 1)
+  if error is None:
+    return
+  index_form = ""
+  if inputs.batch is None:
+    index_form = (
+      f" Without batch=, {name} receives the micro-batch index (an int32 scalar in "
+      f"[0, {k})) in place of the micro-batch and selects its data itself; or pass batch= and "
+      "take the micro-batch."
+    )
+  extras = ""
+  if inputs.model_state is not None:
+    extras += " With model_state=, it returns (loss, new_model_state)."
+  if inputs.key is not None:
+    extras += " With key=, the last argument is the micro-batch's own PRNG key."
+  raise ValueError(
+    f"With microbatches={k}, {method} calls {name}{call} once per micro-batch, but {name} "
+    f"does not take these arguments ({error}).{index_form}{extras}"
+  )
 
 
 def user_grad_fn(
@@ -136,13 +140,16 @@ def user_grad_fn(
   value_and_grad_fn: Callable | None,
   inputs: MicrobatchInputs,
   k: int | None,
+  method: str = "gsam/sam",
 ) -> ValueAndGradWithArgsFn:
   """The user's function as ``(params, *args) -> (value, grads)``, its call form checked
-  against ``k`` micro-batches (none to check when ``k`` is ``None``)."""
+  against ``k`` micro-batches (none to check when ``k`` is ``None``); ``method``, the transform
+  whose ``update`` calls it, is named in the errors."""
   grad_fn = value_and_grad_from(loss_fn, value_and_grad_fn)
   if k is not None:
     name = "loss_fn" if loss_fn is not None else "value_and_grad_fn"
-    check_call_form(loss_fn if loss_fn is not None else value_and_grad_fn, name, inputs, k)
+    fn = loss_fn if loss_fn is not None else value_and_grad_fn
+    check_call_form(fn, name, inputs, k, method)
   return grad_fn
 
 
@@ -202,7 +209,7 @@ def stateful_accumulated(
           f"{type(value).__name__}."
         )
       _check_same_state(value[1], state)
-      return (scalar_loss(value), grads), value[1]
+      return (scalar_loss(value, None), grads), value[1]
 
     like = (jnp.zeros([]), params)  # the sum's buffers (see mean_and_state)
     (loss, grads), state = mean_and_state(k, of, inputs.model_state, like)
@@ -211,19 +218,41 @@ def stateful_accumulated(
   return value_and_grad
 
 
+def accumulating(
+  grad_fn: ValueAndGradWithArgsFn, inputs: MicrobatchInputs, k: int, axis_name: Any = None
+) -> Callable[[optax.Params], tuple[jax.Array, optax.Updates, Any]]:
+  """``params -> (mean loss, mean gradient, s_k)``, ``s_k`` None without a model state; the
+  loss in its compute dtype (float32 at least), the gradient in the params' dtypes."""
+  if inputs.model_state is not None:
+    return stateful_accumulated(grad_fn, inputs, k, axis_name)
+  accumulate = accumulated(group_fns(grad_fn, inputs, k, axis_name), k)
+  return lambda params: (*accumulate(params), None)
+
+
 def whole_batch_grad_fn(
   grad_fn: ValueAndGradWithArgsFn, inputs: MicrobatchInputs, k: int, axis_name: Any = None
 ) -> ValueAndGradFn:
-  """``params -> (mean loss, mean gradient)``; a model state's final value is dropped."""
-  if inputs.model_state is None:
-    return accumulated(group_fns(grad_fn, inputs, k, axis_name), k)
-  accumulate = stateful_accumulated(grad_fn, inputs, k, axis_name)
+  """``params -> (mean loss, mean gradient)``, the loss in float32 as the transforms record
+  it; a model state's final value is dropped."""
+  accumulate = accumulating(grad_fn, inputs, k, axis_name)
 
   def value_and_grad(params):
     loss, grads, _ = accumulate(params)
-    return loss, grads
+    return scalar_loss(loss), grads
 
   return value_and_grad
+
+
+def _recording_loss_dtype(grad_fn: ValueAndGradWithArgsFn) -> tuple[ValueAndGradWithArgsFn, list]:
+  """``grad_fn``, and the list in which it records its loss's dtype each time it is traced."""
+  dtypes: list = []
+
+  def recording(params, *args):
+    value, grads = grad_fn(params, *args)
+    dtypes.append(scalar_loss(value, None).dtype)
+    return value, grads
+
+  return recording, dtypes
 
 
 def accumulate_value_and_grad(
@@ -270,6 +299,14 @@ def accumulate_value_and_grad(
   Returns:
     ``((loss, new_model_state), grads)``, as ``jax.value_and_grad(...,
     has_aux=True)``; ``new_model_state`` is ``None`` without ``model_state``.
+    As there, the loss has the dtype ``loss_fn`` returns (the mean is taken
+    in float32 at least, float64 under x64) and ``grads`` the params' dtypes.
+
+  Raises:
+    ValueError: where a leaf of ``params`` is not a float array (a whole
+      Equinox model, whose non-array fields are leaves: pass
+      ``eqx.partition(model, eqx.is_inexact_array)[0]``), or where
+      ``loss_fn`` cannot take the arguments of its call form.
 
   Example:
     >>> import jax, jax.numpy as jnp, optax_gsam
@@ -281,11 +318,10 @@ def accumulate_value_and_grad(
     4
   """
   check_positive_int("microbatches", microbatches)
+  check_params_leaves(params, f"{_ACCUMULATE} differentiates")
   inputs = MicrobatchInputs(batch, key, model_state)
-  check_call_form(loss_fn, "loss_fn", inputs, microbatches)
-  grad_fn = value_and_grad_from(loss_fn, None)
-  if model_state is None:
-    loss, grads = whole_batch_grad_fn(grad_fn, inputs, microbatches)(params)
-    return (loss, None), grads
-  loss, grads, state = stateful_accumulated(grad_fn, inputs, microbatches)(params)
-  return (loss, state), grads
+  check_call_form(loss_fn, "loss_fn", inputs, microbatches, _ACCUMULATE)
+  grad_fn, loss_dtypes = _recording_loss_dtype(value_and_grad_from(loss_fn, None))
+  loss, grads, state = accumulating(grad_fn, inputs, microbatches)(params)
+  # The mean is taken in float32 at least; returned in the loss's dtype, as jax.value_and_grad.
+  return (loss.astype(loss_dtypes[-1]), state), grads

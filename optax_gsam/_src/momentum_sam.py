@@ -19,6 +19,9 @@ from optax_gsam._src.ascent import MaskOrFn
 from optax_gsam._src.ascent import check_mask
 from optax_gsam._src.ascent import resolve_mask
 from optax_gsam._src.ascent import select_leaves
+from optax_gsam._src.frozen import FrozenOrFn
+from optax_gsam._src.frozen import check_frozen
+from optax_gsam._src.frozen import with_frozen
 from optax_gsam._src.keywords import runtime_signature
 from optax_gsam._src.microbatch_state import MicrobatchInputs
 from optax_gsam._src.microbatch_state import user_grad_fn
@@ -75,7 +78,7 @@ def _whole_batch_grad_fn(call: UpdateArguments, microbatches, inputs, axis_name)
       "momentum_sam does not read model_state=: its one pass is at the perturbed weights, so "
       "it has no clean pass whose state to keep. Close over the state in loss_fn."
     )
-  grad_fn = user_grad_fn(call.loss_fn, call.value_and_grad_fn, inputs, microbatches)
+  grad_fn = user_grad_fn(call.loss_fn, call.value_and_grad_fn, inputs, microbatches, "momentum_sam")
   if microbatches is not None:
     return whole_batch_grad_fn(grad_fn, inputs, microbatches, axis_name)
   if inputs.given:
@@ -83,6 +86,19 @@ def _whole_batch_grad_fn(call: UpdateArguments, microbatches, inputs, axis_name)
       f"update() got {inputs.given[0]}=, which momentum_sam reads only with microbatches=k."
     )
   return grad_fn
+
+
+def _check_arguments(rho, momentum, eps, axis_name, check_axis, microbatches, mask, frozen):
+  """Every argument of :func:`momentum_sam`, checked when it is called."""
+  check_non_negative("rho", rho, allow_schedule=True)
+  check_unit_interval("momentum", momentum, include_one=False)
+  check_positive("eps", eps)
+  check_axis_name(axis_name)
+  check_positive_int("microbatches", microbatches, allow_none=True)
+  check_mask(mask)
+  check_frozen(frozen)
+  if not isinstance(check_axis, bool):
+    raise ValueError(f"check_axis must be a bool, got {check_axis!r}.")
 
 
 def _checked_params(params: optax.Params) -> optax.Params:
@@ -121,6 +137,7 @@ def momentum_sam(
   check_axis: bool = True,
   microbatches: int | None = None,
   mask: MaskOrFn = None,
+  frozen: FrozenOrFn = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Momentum-SAM (MSAM): perturb along past gradients, evaluate one gradient.
 
@@ -166,6 +183,9 @@ def momentum_sam(
     mask: as in :func:`optax_gsam.gsam`: only the selected leaves are moved,
       along :math:`m \odot v_t / \|m \odot v_t\|`; the gradient of every leaf
       is taken at the perturbed point, and :math:`v_t` keeps every leaf.
+    frozen: as in :func:`optax_gsam.gsam`: the frozen leaves are not
+      perturbed and not differentiated, :math:`v_t` has no entries for them,
+      and their output is zero.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` with state
@@ -187,14 +207,7 @@ def momentum_sam(
     Becker et al., `Momentum-SAM: Sharpness Aware Minimization without
     Computational Overhead <https://arxiv.org/abs/2401.12033>`_, 2024.
   """
-  check_non_negative("rho", rho, allow_schedule=True)
-  check_unit_interval("momentum", momentum, include_one=False)
-  check_positive("eps", eps)
-  check_axis_name(axis_name)
-  check_positive_int("microbatches", microbatches, allow_none=True)
-  check_mask(mask)
-  if not isinstance(check_axis, bool):
-    raise ValueError(f"check_axis must be a bool, got {check_axis!r}.")
+  _check_arguments(rho, momentum, eps, axis_name, check_axis, microbatches, mask, frozen)
 
   def init_fn(params: optax.Params) -> MomentumSAMState:
     params = _checked_params(params)
@@ -240,4 +253,5 @@ def momentum_sam(
     grads = optax.tree.cast_like(grads, params if updates is None else updates)
     return grads, _next_state(state, grads, loss, rho_t, rho_ok, momentum)
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  transform = optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  return with_frozen(transform, "momentum_sam", frozen, mask)

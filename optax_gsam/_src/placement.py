@@ -32,14 +32,17 @@ from typing import Any
 import jax
 import optax
 
-_OPTAX_DIR = f"{os.sep}optax{os.sep}"
+from optax_gsam._src.microbatch_state import HELPER_FIX
+
+OPTAX_DIR = f"{os.sep}optax{os.sep}"
 
 MICROBATCH_FIX = (
   "For gradient accumulation, use the transform's own micro-batches: "
   "gsam(..., microbatches=k) and update(None, opt_state, params, "
   "loss_fn=lambda p, microbatch: ..., batch=batch), which accumulates the clean and the "
   "perturbed gradient exactly over the k micro-batches in one micro-batch's memory "
-  "(docs/large_batches.md)."
+  "(docs/large_batches.md). With a model state (BatchNorm statistics), the loss is "
+  "loss_fn(params, model_state, microbatch) -> (loss, new_model_state), and " + HELPER_FIX
 )
 
 CHAIN_FIX = (
@@ -106,7 +109,7 @@ def passthrough(
 _PASSTHROUGH_CODE = passthrough(optax.identity()).update.__code__
 
 
-def _unwrapped(fn: Callable) -> Callable:
+def unwrapped_update(fn: Callable) -> Callable:
   """The update function that ``optax.with_extra_args_support`` wraps, or ``fn`` itself."""
   code = getattr(fn, "__code__", None)
   if code is None or code.co_qualname != "with_extra_args_support.<locals>.update":
@@ -118,18 +121,18 @@ def _unwrapped(fn: Callable) -> Callable:
 
 def _leaves_gradient_unchanged(fn: Callable) -> bool:
   """``optax.identity()``'s update, or one of :func:`passthrough`: nothing before us is lost."""
-  code = getattr(_unwrapped(fn), "__code__", None)
+  code = getattr(unwrapped_update(fn), "__code__", None)
   if code is None:
     return False
   if code is _PASSTHROUGH_CODE:
     return True
-  return code.co_qualname == "identity.<locals>.update_fn" and _OPTAX_DIR in code.co_filename
+  return code.co_qualname == "identity.<locals>.update_fn" and OPTAX_DIR in code.co_filename
 
 
-def _earlier_stages(frame: Any) -> list[Callable] | None:
-  """The update functions an optax chain ran before the one it is calling; None if not a chain."""
+def _chain_stages(frame: Any) -> tuple[list[Callable], int] | None:
+  """The update functions of the optax chain running in ``frame``, and the one it is calling."""
   code = frame.f_code
-  if _OPTAX_DIR not in code.co_filename:
+  if OPTAX_DIR not in code.co_filename:
     return None
   local = frame.f_locals
   if code.co_qualname == "chain.<locals>.update_fn":
@@ -145,7 +148,19 @@ def _earlier_stages(frame: Any) -> list[Callable] | None:
   else:
     return None
   index = next((i for i, fn in enumerate(fns) if fn is current), None)
-  return None if index is None else fns[:index]
+  return None if index is None else (fns, index)
+
+
+def _earlier_stages(frame: Any) -> list[Callable] | None:
+  """The update functions an optax chain ran before the one it is calling; None if not a chain."""
+  stages = _chain_stages(frame)
+  return None if stages is None else stages[0][: stages[1]]
+
+
+def later_stages(frame: Any) -> list[Callable] | None:
+  """The update functions an optax chain runs after the one it is calling; None if not a chain."""
+  stages = _chain_stages(frame)
+  return None if stages is None else stages[0][stages[1] + 1 :]
 
 
 def _is_late_in_chain(frame: Any) -> bool:
@@ -209,14 +224,41 @@ def check_placement(name: str) -> None:
     frame = frame.f_back
 
 
+def optax_frame_on_stack(qualname: str) -> bool:
+  """Whether a function of optax with this ``__qualname__`` is on the call stack."""
+  frame: types.FrameType | None = sys._getframe(1)
+  while frame is not None:
+    code = frame.f_code
+    if code.co_qualname == qualname and OPTAX_DIR in code.co_filename:
+      return True
+    frame = frame.f_back
+  return False
+
+
 def check_not_masked(params: optax.Params, name: str = "gsam/sam") -> None:
-  """``optax.masked`` around the transform hands it params with ``optax.MaskedNode`` holes."""
+  """``optax.masked`` around the transform hands it params with ``optax.MaskedNode`` holes.
+
+  So does ``optax.partition``, which runs each group's transformation inside
+  ``optax.masked``; the message then gives the fine-tuning form.
+  """
   is_hole = lambda x: isinstance(x, optax.MaskedNode)
-  if any(is_hole(leaf) for leaf in jax.tree.leaves(params, is_leaf=is_hole)):
+  if not any(is_hole(leaf) for leaf in jax.tree.leaves(params, is_leaf=is_hole)):
+    return
+  if optax_frame_on_stack("partition.<locals>.update_fn"):
     raise ValueError(
-      f"{name} got params with optax.MaskedNode leaves: optax.masked around the transform "
-      "would call loss_fn on params with holes. Perturb a subset of the parameters with the "
-      "transform's own mask instead, e.g. optax_gsam.sam(0.05, mask=mask) or "
-      "optax_gsam.momentum_sam(0.05, mask=mask), where every leaf's "
-      "gradient is still taken at the perturbed point (docs/directions.md)."
+      f"{name} runs inside one group of optax.partition (optax.multi_transform), which hands "
+      "it params with holes: loss_fn would be called on part of the model. Put the transform "
+      "first in a chain, before the partition, and tell it which leaves are frozen: "
+      "optax.chain(optax_gsam.sam(0.05, frozen=optax_gsam.frozen_leaves(transforms, labels)), "
+      "optax.partition(transforms, labels)), with the frozen labels mapped to "
+      "optax.set_to_zero(). To perturb only some of the trained leaves, add mask= "
+      "(docs/fine_tuning.md)."
     )
+  raise ValueError(
+    f"{name} got params with optax.MaskedNode leaves: optax.masked around the transform "
+    "would call loss_fn on params with holes. Perturb a subset of the parameters with the "
+    "transform's own mask instead, e.g. optax_gsam.sam(0.05, mask=mask) or "
+    "optax_gsam.momentum_sam(0.05, mask=mask), where every leaf's "
+    "gradient is still taken at the perturbed point (docs/directions.md); to freeze leaves "
+    "(optax.freeze), pass the same mask as frozen= (docs/fine_tuning.md)."
+  )

@@ -10,7 +10,7 @@ import optax
 from optax_gsam._src.keywords import runtime_signature
 from optax_gsam._src.validation import check_non_negative
 from optax_gsam._src.validation import check_positive_int
-from optax_gsam._src.validation import is_real_number
+from optax_gsam._src.validation import concrete_value
 
 
 @runtime_signature
@@ -51,8 +51,8 @@ def schedule_extrema(schedule: optax.ScalarOrSchedule, num_steps: int) -> tuple[
 @runtime_signature
 def rho_from_lr(
   lr_schedule: optax.ScalarOrSchedule,
-  rho_max: float,
-  rho_min: float,
+  rho_max: float | jax.Array,
+  rho_min: float | jax.Array,
   *,
   num_steps: int | None = None,
   lr_max: float | None = None,
@@ -81,8 +81,10 @@ def rho_from_lr(
   Args:
     lr_schedule: the learning rate, a float or any ``optax.Schedule`` (the same
       object given to the optimizer, so both read the same step).
-    rho_max: rho at the peak learning rate.
-    rho_min: rho at the final learning rate.
+    rho_max: rho at the peak learning rate, a number or a scalar array. A
+      traced scalar (a sweep over rho under ``jax.vmap``) is accepted; only
+      concrete values can be checked here (finite, ``rho_max >= rho_min >= 0``).
+    rho_min: rho at the final learning rate, likewise.
     num_steps: total training steps; needed unless both ``lr_max`` and
       ``lr_min`` are given.
     lr_max: override for the peak learning rate.
@@ -103,11 +105,10 @@ def rho_from_lr(
     Zhuang et al., `Surrogate Gap Guided Sharpness-Aware Minimization
     <https://openreview.net/forum?id=edONMAnhLu->`_, ICLR 2022.
   """
-  check_non_negative("rho_max", rho_max)
+  check_non_negative("rho_max", rho_max)  # a traced scalar (a sweep under jax.vmap) passes
   check_non_negative("rho_min", rho_min)
-  if not (is_real_number(rho_max) and is_real_number(rho_min)):
-    raise ValueError("rho_max and rho_min must be numbers.")
-  if rho_min > rho_max:
+  low, high = concrete_value(rho_min), concrete_value(rho_max)  # None where traced
+  if low is not None and high is not None and low > high:
     raise ValueError(f"rho_min ({rho_min}) must be <= rho_max ({rho_max}).")
   if not isinstance(clamp, bool):
     raise ValueError(f"clamp must be a bool, got {clamp!r}.")
@@ -130,7 +131,7 @@ def rho_from_lr(
   if lr_min > lr_max:
     raise ValueError(f"lr_min ({lr_min}) must be <= lr_max ({lr_max}).")
   lr_range = lr_max - lr_min
-  rho_range = float(rho_max) - float(rho_min)
+  rho_range = rho_max - rho_min
 
   def schedule(count):
     if lr_range == 0.0:  # Constant learning rate: the peak radius throughout.
@@ -139,7 +140,7 @@ def rho_from_lr(
     lr = jnp.asarray(lr)
     lr = lr.astype(jnp.promote_types(lr.dtype, jnp.float32))
     rho = rho_min + rho_range * (lr - lr_min) / lr_range
-    return jnp.clip(rho, rho_min, rho_max) if clamp else rho
+    return (jnp.clip(rho, rho_min, rho_max) if clamp else rho).astype(lr.dtype)
 
   return schedule
 

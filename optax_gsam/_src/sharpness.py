@@ -23,6 +23,8 @@ from optax_gsam._src import microbatch_state as micro
 from optax_gsam._src import step
 from optax_gsam._src.arrays import numbers_as_arrays
 from optax_gsam._src.ascent_checks import check_direction
+from optax_gsam._src.frozen import check_frozen
+from optax_gsam._src.frozen import with_frozen
 from optax_gsam._src.gsam_arguments import SHARPNESS_DEFAULTS
 from optax_gsam._src.gsam_arguments import SharpnessOptions
 from optax_gsam._src.gsam_arguments import check_call_arguments
@@ -60,9 +62,15 @@ class GSAMState(NamedTuple):
       steps. A chain that repairs non-finite updates instead (e.g.
       ``optax.zero_nans()``) advances its optimizers on such a step while this
       count stays, which delays rho by one step per such step.
-    last_rho: the radius :math:`\\rho_t` of the last update. (Not named
-      ``rho``, so that ``optax.tree.get(opt_state, "rho")`` finds the one
-      hyperparameter of ``optax.inject_hyperparams(optax_gsam.gsam)``.)
+    last_rho: the radius :math:`\\rho_t` of the last update, in float32. (Not
+      named ``rho``, so that the state holds no second ``rho`` beside the
+      hyperparameter of ``optax.inject_hyperparams(optax_gsam.gsam)``. With a
+      scheduled rho, optax keeps the schedule's state under ``rho`` too, and
+      ``optax.tree.get(opt_state, "rho")`` raises ``KeyError: Found multiple
+      values``; ``optax.tree.get(opt_state, "rho", filtering=lambda path,
+      value: isinstance(value, jax.Array))`` returns the injected rho for a
+      float and for a schedule alike, as does ``hyperparams["rho"]`` of the
+      ``inject_hyperparams`` state.)
     perturbed_loss: :math:`f_p = f(w + \\epsilon)`.
     surrogate_gap: :math:`h = f_p - f`, when the clean loss was passed as
       ``value=``; 0 otherwise.
@@ -335,6 +343,15 @@ def gsam(
   :func:`optax_gsam.passthrough` stages), and not inside ``optax.masked``
   (use ``mask``). See docs/directions.md.
 
+  **Frozen parameters.** ``frozen`` names the leaves that a later stage
+  freezes (``optax.set_to_zero()`` in ``optax.partition``, ``optax.freeze``):
+  the transform then runs on the trained leaves alone. A frozen leaf is not
+  perturbed, takes no part in the norms and inner products, has no gradient
+  in the perturbed pass (``loss_fn`` gets its value, held constant) and no
+  state, and its output is zero. With ``frozen=None`` and ``mask=None``, a
+  later partition or freeze that zeros leaves the transform perturbs is
+  warned about while the update is traced. See docs/fine_tuning.md.
+
   **Cheap steps.** A ``policy`` (:class:`optax_gsam.SharpnessPolicy`) decides
   at each step between the full step above and a cheap one that needs only
   :math:`g_c`: the clean gradient itself (``cheap="clean"``, a plain
@@ -415,6 +432,11 @@ def gsam(
     ascent_steps: the number of ascent steps n >= 1 (``None``: 1); a full step
       evaluates n gradients besides the clean one.
     mask: which params leaves are perturbed (see above); ``None``: all.
+    frozen: which params leaves are frozen (see above), as ``optax.freeze``'s
+      mask: a pytree of Python bools (True: frozen), a prefix of params, or a
+      function params -> one, e.g.
+      :func:`optax_gsam.frozen_leaves` of an ``optax.partition``. ``None``:
+      every leaf is trained.
     microbatches: split ``batch=`` into this many micro-batches (see above).
     perturb_each_microbatch: one perturbation per micro-batch instead of one
       for the whole batch.
@@ -511,6 +533,8 @@ def _transform(factory, rho, alpha, minimize_fp, options):
     arguments["sync_perturbation"],
   )
   ascent_steps = arguments.pop("ascent_steps")
+  frozen = arguments.pop("frozen")
+  check_frozen(frozen)
   settings = validated(
     step.Settings(
       alpha=alpha,
@@ -522,6 +546,7 @@ def _transform(factory, rho, alpha, minimize_fp, options):
       **arguments,
     )
   )
-  return optax.GradientTransformationExtraArgs(
+  transform = optax.GradientTransformationExtraArgs(
     functools.partial(_initial_state, settings), _update_fn(settings, rho, check_axis)
   )
+  return with_frozen(transform, factory, frozen, settings.mask)

@@ -9,6 +9,8 @@ import jax.numpy as jnp
 import optax
 
 from optax_gsam._src import step
+from optax_gsam._src.frozen import FrozenOrFn
+from optax_gsam._src.frozen import trained_part
 from optax_gsam._src.keywords import runtime_signature
 from optax_gsam._src.policies import SharpnessPolicy
 from optax_gsam._src.policies import policy_from_arguments
@@ -37,6 +39,7 @@ def full_step_due(
   policy: SharpnessPolicy | None = None,
   rho: optax.ScalarOrSchedule,
   axis_name: AxisName = None,
+  frozen: FrozenOrFn = None,
 ) -> jax.Array:
   r"""Whether the next ``update`` would take the full step: the policy's answer, ahead of it.
 
@@ -59,6 +62,8 @@ def full_step_due(
       and it averages the squared gradient norms over the axis exactly as
       ``update`` does. With synchronized perturbation, or on one device, leave
       it ``None`` and pass the global gradient.
+    frozen: the ``frozen`` given to :func:`optax_gsam.gsam`: the policy reads
+      the gradient of the trained leaves only, as ``update`` does.
 
   Returns:
     A bool scalar array.
@@ -83,6 +88,8 @@ def full_step_due(
       f"policy ({policy.name!r}) is not the policy this optimizer state was built with: pass "
       "full_step_due the policy given to gsam/sam."
     )
+  if frozen is not None:
+    grads = trained_part(frozen, grads)
   hyper = step.hyperparams_at(rho, policy, state.count)
   due, _ = step.decide(policy, state.policy_state, state.count, hyper, grads, axis_name)
   return jnp.asarray(due)

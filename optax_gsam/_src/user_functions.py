@@ -6,6 +6,7 @@ Every check here runs while the update is traced, never in the compiled step.
 from __future__ import annotations
 
 import difflib
+import inspect
 import sys
 from collections.abc import Callable
 from collections.abc import Iterable
@@ -61,6 +62,25 @@ UPDATE_KEYWORDS: tuple[str, ...] = UpdateArguments._fields
 TYPO_CUTOFF = 0.8
 
 
+LOOKAHEAD_HINT = (
+  "optax.lookahead calls its fast optimizer without extra arguments, so loss_fn cannot reach "
+  "the transform through it: bind it into the fast optimizer, rebuilt in each train step, e.g. "
+  "tx = optax.chain(optax_gsam.sam(0.05), optax.sgd(0.1)); fast = "
+  "optax.GradientTransformation(tx.init, functools.partial(tx.update, loss_fn=loss_fn)); "
+  "optax.lookahead(fast, sync_period, slow_step_size) (docs/getting_started.md)."
+)
+
+
+def _missing_loss_hint() -> str:
+  """The likely reason no loss function arrived: a wrapper that forwards no extra arguments."""
+  # placement names the micro-batch helper of microbatch_state, which imports this module.
+  from optax_gsam._src.placement import optax_frame_on_stack
+
+  if optax_frame_on_stack("lookahead.<locals>.update_fn"):
+    return LOOKAHEAD_HINT
+  return MISSING_LOSS_HINT
+
+
 class MissingLossFunctionError(ValueError):
   """``update`` got neither ``loss_fn`` nor ``value_and_grad_fn``."""
 
@@ -85,7 +105,7 @@ def value_and_grad_from(
       "value_and_grad_fn (params -> (value, grads)) to update(); got "
       f"loss_fn={'set' if loss_fn is not None else None}, "
       f"value_and_grad_fn={'set' if value_and_grad_fn is not None else None}. "
-      + (MISSING_LOSS_HINT if loss_fn is None else "")
+      + (_missing_loss_hint() if loss_fn is None else "")
     )
   fn = loss_fn if loss_fn is not None else value_and_grad_fn
   if not callable(fn):
@@ -235,11 +255,30 @@ def read_update_arguments(
   return UpdateArguments(**{name: extra_args[name] for name in reads if name in extra_args})
 
 
-def scalar_loss(value: Any) -> jax.Array:
-  """The loss of a value (a scalar or ``(loss, aux)``) as a float32 scalar."""
+def scalar_loss(value: Any, dtype: Any = jnp.float32) -> jax.Array:
+  """The loss of a value (a scalar or ``(loss, aux)``) as a scalar of ``dtype``: float32, as
+  the transforms record losses, or the loss's own dtype where ``dtype`` is None."""
   if isinstance(value, (tuple, list)):
     value = value[0]
   value = jnp.asarray(value)
   if value.shape != ():
     raise ValueError(f"The loss must be a scalar, got shape {value.shape}.")
-  return value.astype(jnp.float32)
+  return value if dtype is None else value.astype(dtype)
+
+
+def call_form_error(fn: Callable, count: int) -> str | None:
+  """Why ``fn`` cannot be called with ``count`` positional arguments, in Python's words.
+
+  None where it can, or where its signature cannot be read (a builtin or an
+  opaque callable: the call itself decides). Read before the call, so that a
+  ``TypeError`` raised inside ``fn`` is never taken for a wrong call form.
+  """
+  try:
+    signature = inspect.signature(fn)
+  except (TypeError, ValueError):
+    return None
+  try:
+    signature.bind(*range(count))
+  except TypeError as error:
+    return str(error)
+  return None

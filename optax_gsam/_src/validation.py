@@ -27,8 +27,9 @@ def is_scalar_array(value) -> bool:
   return bool(jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.floating))
 
 
-def _concrete_value(value) -> float | None:
-  """The value of a concrete scalar array; None for a tracer (checked where it is used)."""
+def concrete_value(value) -> float | None:
+  """The value of a number or a concrete scalar array; None for a tracer (checked where it is
+  used)."""
   if isinstance(value, jax.core.Tracer):
     return None
   try:
@@ -55,7 +56,7 @@ def check_non_negative(
   if isinstance(value, bool):
     raise ValueError(f"{name} must be {allowed}, got the bool {value!r}.")
   if is_scalar_array(value):
-    number = _concrete_value(value)
+    number = concrete_value(value)
     if number is None:
       return
   elif is_real_number(value):
@@ -84,7 +85,7 @@ def check_positive(name: str, value) -> None:
 def check_unit_interval(name: str, value, *, include_one: bool) -> None:
   """A float in [0, 1) or [0, 1], or a scalar array (checked when concrete)."""
   interval = "[0, 1]" if include_one else "[0, 1)"
-  number = _concrete_value(value) if is_scalar_array(value) else value
+  number = concrete_value(value) if is_scalar_array(value) else value
   if number is None:
     return
   if not is_real_number(number) or not (0 <= number <= 1) or (number == 1 and not include_one):
@@ -151,8 +152,14 @@ def _is_trainable_leaf(x) -> bool:
   return dtype is not None and bool(jnp.issubdtype(dtype, jnp.inexact))
 
 
-def check_params_leaves(params) -> None:
-  """Every params leaf is a float or complex array: the transforms perturb and differentiate each."""
+def check_params_leaves(
+  params, reader: str = "gsam/sam/momentum_sam perturb and differentiate"
+) -> None:
+  """Every params leaf is a float or complex array: the transforms perturb and differentiate each.
+
+  ``reader`` says who reads every leaf, for the message: the transforms, or
+  ``optax_gsam.accumulate_value_and_grad``, which differentiates each.
+  """
   bad = [(path, x) for path, x in _paths_and_leaves(params) if not _is_trainable_leaf(x)]
   if not bad:
     return
@@ -161,8 +168,8 @@ def check_params_leaves(params) -> None:
     for path, x in bad[:5]
   ]
   raise ValueError(
-    "gsam/sam/momentum_sam perturb and differentiate every leaf of params, and these leaves "
-    f"are not float arrays: {'; '.join(described)}. " + PARAMS_FIX
+    f"{reader} every leaf of params, and these leaves are not float arrays: "
+    f"{'; '.join(described)}. " + PARAMS_FIX
   )
 
 

@@ -1,0 +1,346 @@
+"""Frozen parameters: neither perturbed nor differentiated by gsam, sam and momentum_sam.
+
+Fine-tuning freezes part of the parameters (a pretrained backbone, the base
+weights under LoRA adapters) with ``optax.partition`` and ``optax.set_to_zero()``.
+The sharpness-aware transforms come first in the chain, before the stage that
+freezes, so they must be told: with ``frozen=`` they run on the trained leaves
+alone. Each frozen leaf stands in their computation as an empty array of its
+dtype, so it has no perturbation, no share of the norms and inner products, no
+gradient in the perturbed pass (the loss function receives the real frozen
+values, held constant) and no state; its output is zero, as
+``optax.set_to_zero()`` would make it.
+
+A stage after the transform that freezes leaves the transform perturbs is
+found while the update is traced, from the Python call stack as the placement
+checks are (:mod:`optax_gsam._src.placement`), and warned about.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+import warnings
+from collections.abc import Callable
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from optax_gsam._src import placement
+from optax_gsam._src.ascent import resolve_mask
+
+FrozenOrFn = Any  # a pytree of Python bools (a prefix of params), or params -> such a pytree
+
+_STATIC_FIX = (
+  "optax.inject_hyperparams calls a function it is given as a schedule, with the step count: "
+  "pass static_args=('frozen',) to optax.inject_hyperparams."
+)
+
+
+def check_frozen(frozen: FrozenOrFn) -> None:
+  """``frozen`` is None, a callable, or a pytree of Python bools (True: frozen); else ValueError."""
+  if frozen is None or callable(frozen):
+    return
+  if isinstance(frozen, (bool, np.bool_)):
+    raise ValueError(
+      f"frozen is the bare bool {frozen!r}, not a pytree of bools over params: False freezes "
+      "nothing (leave frozen=None) and True would leave nothing to train. If a function was "
+      "given to optax.inject_hyperparams: " + _STATIC_FIX
+    )
+  bad = [leaf for leaf in jax.tree.leaves(frozen) if not isinstance(leaf, (bool, np.bool_))]
+  if bad:
+    raise ValueError(
+      "frozen must be a pytree of Python bools (True: the leaf is frozen) with the structure of "
+      "params or a prefix of it, or a function params -> such a pytree, as optax.freeze and "
+      f"optax.selective_transform's freeze_mask take; got a leaf {bad[0]!r}. Arrays are not "
+      "accepted: what is frozen decides the program's shape. " + _STATIC_FIX
+    )
+
+
+def _expanded(prefix: Any, tree: Any) -> Any:
+  """A bool at every leaf of ``tree``, read from ``prefix`` (a prefix of it)."""
+  return jax.tree.map(lambda flag, sub: jax.tree.map(lambda _: bool(flag), sub), prefix, tree)
+
+
+def resolve_frozen(frozen: FrozenOrFn, params: optax.Params) -> Any:
+  """``frozen`` as a bool at every leaf of ``params``; refuses a tree that freezes every leaf."""
+  tree = frozen(params) if callable(frozen) else frozen
+  if callable(frozen):
+    check_frozen(tree)
+  try:
+    flags = _expanded(tree, params)
+  except ValueError as error:
+    raise ValueError(
+      "frozen does not match params: it must have the structure of params, or of a prefix of "
+      f"it, with a bool at each of its leaves ({error}). If a frozen function was given to "
+      "optax.inject_hyperparams: " + _STATIC_FIX
+    ) from error
+  leaves = jax.tree.leaves(flags)
+  if leaves and all(leaves):
+    raise ValueError("frozen freezes every leaf of params: nothing would be trained.")
+  return flags
+
+
+def _placeholder(leaf: jax.Array) -> jax.Array:
+  """What stands for a frozen leaf inside the transform: no entries, the leaf's dtype."""
+  return jnp.zeros((0,), jnp.result_type(leaf))
+
+
+def _trained(flags: Any, tree: Any) -> Any:
+  return jax.tree.map(lambda f, x: _placeholder(x) if f else x, flags, tree)
+
+
+def trained_part(frozen: FrozenOrFn, tree: Any) -> Any:
+  """``tree`` (params-shaped) as the transform sees it: each frozen leaf an empty array."""
+  return _trained(resolve_frozen(frozen, tree), tree)
+
+
+def _frozen_functions(extra_args: dict[str, Any], flags: Any, params: optax.Params) -> dict:
+  """``loss_fn``/``value_and_grad_fn`` of the trained leaves: the frozen ones are held constant."""
+  merged = lambda trained: jax.tree.map(lambda f, t, p: p if f else t, flags, trained, params)
+  forwarded = dict(extra_args)
+  loss_fn, value_and_grad_fn = extra_args.get("loss_fn"), extra_args.get("value_and_grad_fn")
+  if callable(loss_fn):
+    forwarded["loss_fn"] = lambda trained, *args: loss_fn(merged(trained), *args)
+  if callable(value_and_grad_fn):
+
+    def trained_value_and_grad(trained, *args):
+      value, grads = value_and_grad_fn(merged(trained), *args)
+      return value, _trained(flags, grads)
+
+    forwarded["value_and_grad_fn"] = trained_value_and_grad
+  return forwarded
+
+
+def with_frozen(
+  tx: optax.GradientTransformationExtraArgs, name: str, frozen: FrozenOrFn, mask: Any
+) -> optax.GradientTransformationExtraArgs:
+  """``tx`` (gsam, sam or momentum_sam) run on the leaves that ``frozen`` leaves trained.
+
+  Args:
+    tx: the transform, over params whose frozen leaves are empty arrays.
+    name: the transform's name, for the messages.
+    frozen: the ``frozen`` argument (``None``: every leaf is trained).
+    mask: the transform's ``mask`` (``None``: every leaf is perturbed).
+
+  Returns:
+    The transform over the whole params; the frozen leaves' output is zero.
+  """
+
+  def init_fn(params):
+    if frozen is None:
+      return tx.init(params)
+    return tx.init(_trained(resolve_frozen(frozen, params), params))
+
+  def update_fn(updates, state, params=None, **extra_args):
+    if params is not None:
+      warn_if_frozen_later(name, frozen, mask, params)
+    if frozen is None:
+      return tx.update(updates, state, params, **extra_args)
+    if params is None:
+      raise ValueError(f"{name} with frozen= needs params: call update(updates, state, params).")
+    flags = resolve_frozen(frozen, params)
+    _check_mask_trains_something(mask, flags, params)
+    trained_updates = None if updates is None else _trained(flags, updates)
+    forwarded = _frozen_functions(extra_args, flags, params)
+    output, state = tx.update(trained_updates, state, _trained(flags, params), **forwarded)
+    like = params if updates is None else updates
+    output = jax.tree.map(lambda f, o, u: jnp.zeros_like(u) if f else o, flags, output, like)
+    return output, state
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _perturbed(mask: Any, params: optax.Params) -> Any:
+  """A bool at every leaf of ``params``: whether ``mask`` lets the transform perturb it."""
+  selected = resolve_mask(mask, params)
+  return jax.tree.map(lambda _: True, params) if selected is None else _expanded(selected, params)
+
+
+def _check_mask_trains_something(mask: Any, flags: Any, params: optax.Params) -> None:
+  if mask is None:
+    return
+  perturbed = _perturbed(mask, params)
+  if not any(p and not f for p, f in zip(_flat(perturbed), _flat(flags), strict=True)):
+    raise ValueError(
+      "Every leaf that mask selects is frozen: nothing would be perturbed. Select trained "
+      "leaves with mask=, or use the base optimizer."
+    )
+
+
+def _flat(flags: Any) -> list[bool]:
+  return jax.tree.leaves(flags)
+
+
+# --- frozen_leaves: the frozen leaves of an optax.partition, from its own arguments ---------
+
+
+def _zeroes_updates(tx: Any) -> bool:
+  """Whether ``tx`` is ``optax.set_to_zero()`` (possibly behind optax's extra-args wrapper)."""
+  update = getattr(tx, "update", None)
+  code = getattr(placement.unwrapped_update(update), "__code__", None) if update else None
+  return (
+    code is not None
+    and code.co_qualname == "set_to_zero.<locals>.update_fn"
+    and placement.OPTAX_DIR in code.co_filename
+  )
+
+
+def _labels_frozen(transforms: Mapping[Any, Any], param_labels: Any, params: Any) -> Any:
+  """A bool at every leaf of ``params``: whether its label's transform is set_to_zero()."""
+  labels = param_labels(params) if callable(param_labels) else param_labels
+  zero = {label for label, tx in transforms.items() if _zeroes_updates(tx)}
+  return _expanded(jax.tree.map(lambda label: label in zero, labels), params)
+
+
+def frozen_leaves(
+  transforms: Mapping[Any, optax.GradientTransformation], param_labels: Any
+) -> Callable[[optax.Params], Any]:
+  r"""The ``frozen=`` of an ``optax.partition``: the leaves whose transform is ``set_to_zero()``.
+
+  Fine-tuning freezes part of the model with ``optax.partition(transforms,
+  param_labels)`` (``optax.multi_transform``), mapping the frozen labels to
+  ``optax.set_to_zero()``. Pass the same two arguments here, and the
+  sharpness-aware transform before the partition perturbs and differentiates
+  the trained leaves only:
+
+  .. math::
+
+    \epsilon_F = 0, \qquad
+    \epsilon_T = \rho_t \, g_T / \|g_T\|, \qquad
+    \text{output}_T = \nabla_T f(w_T + \epsilon_T, w_F), \qquad
+    \text{output}_F = 0,
+
+  for the trained leaves :math:`T` and the frozen ones :math:`F`.
+
+  Args:
+    transforms: the partition's mapping from labels to transformations.
+    param_labels: the partition's labels: a pytree of labels with the
+      structure of params (or a prefix of it), or a function params -> such
+      a pytree.
+
+  Returns:
+    The ``frozen=`` of :func:`optax_gsam.gsam`, :func:`optax_gsam.sam` or
+    :func:`optax_gsam.momentum_sam`, a function of the params that gives a
+    pytree of bools, True where the leaf is frozen.
+
+  Raises:
+    ValueError: when no label's transform is ``optax.set_to_zero()``: nothing
+      would be frozen.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, optax_gsam
+    >>> params = {"base": jnp.ones(3), "adapter": jnp.zeros(3)}
+    >>> labels = {"base": "frozen", "adapter": "trained"}
+    >>> transforms = {"trained": optax.adam(1e-3), "frozen": optax.set_to_zero()}
+    >>> tx = optax.chain(
+    ...   optax_gsam.sam(0.05, frozen=optax_gsam.frozen_leaves(transforms, labels)),
+    ...   optax.partition(transforms, labels),
+    ... )
+    >>> loss_fn = lambda p: jnp.sum((p["base"] * (1.0 + p["adapter"]) - 2.0) ** 2)
+    >>> grads = jax.grad(loss_fn)(params)
+    >>> updates, state = tx.update(grads, tx.init(params), params, loss_fn=loss_fn)
+    >>> float(jnp.abs(updates["base"]).max())
+    0.0
+  """
+  if not any(_zeroes_updates(tx) for tx in transforms.values()):
+    raise ValueError(
+      f"No transformation among the labels {sorted(map(str, transforms))} is "
+      "optax.set_to_zero(), so nothing is frozen. Map the frozen labels to "
+      "optax.set_to_zero(), or pass frozen= a pytree of bools (True: frozen)."
+    )
+
+  def frozen_of(params: optax.Params) -> Any:
+    try:
+      return _labels_frozen(transforms, param_labels, params)
+    except ValueError as error:
+      raise ValueError(
+        f"The labels of frozen_leaves do not match these params ({error}). If the function "
+        "was given to optax.inject_hyperparams: " + _STATIC_FIX
+      ) from error
+
+  return frozen_of
+
+
+# --- A later stage that freezes what the transform perturbs ---------------------------------
+
+
+def _frozen_by(update: Any, params: optax.Params) -> Any:
+  """The leaves that the stage with this update function freezes (bools), or None if none."""
+  update = placement.unwrapped_update(update)
+  code = getattr(update, "__code__", None)
+  if code is None or placement.OPTAX_DIR not in code.co_filename:
+    return None
+  cells = dict(zip(code.co_freevars, update.__closure__ or (), strict=False))
+  value = lambda name: cells[name].cell_contents if name in cells else None
+  if code.co_qualname == "partition.<locals>.update_fn":
+    transforms, labels = value("transforms"), value("param_labels")
+    if isinstance(transforms, Mapping):
+      return _labels_frozen(transforms, labels, params)
+  elif code.co_qualname == "masked.<locals>.update_fn" and _zeroes_updates(value("inner")):
+    mask = value("mask")
+    return _expanded(mask(params) if callable(mask) else mask, params)
+  elif code.co_qualname in ("chain.<locals>.update_fn", "named_chain.<locals>.update_fn"):
+    fns = value("update_fns") or [tx.update for _, tx in value("transforms") or ()]
+    return _any_of([_frozen_by(fn, params) for fn in fns], params)
+  return None
+
+
+def _any_of(trees: list[Any], params: optax.Params) -> Any:
+  found = [tree for tree in trees if tree is not None]
+  if not found:
+    return None
+  return jax.tree.map(lambda *flags: any(flags), *found)
+
+
+def _later_stages() -> list[Callable]:
+  """The update functions that the optax chain calling the transform runs after it."""
+  frame: types.FrameType | None = sys._getframe(1)
+  while frame is not None:
+    later = placement.later_stages(frame)
+    if later is not None:
+      return later
+    frame = frame.f_back
+  return []
+
+
+def warn_if_frozen_later(name: str, frozen: FrozenOrFn, mask: Any, params: optax.Params) -> None:
+  """Warns where a later stage of the chain freezes leaves that the default mask perturbs.
+
+  Those leaves' perturbation changes the trained leaves' gradient, and their own
+  perturbed gradient is computed and thrown away. An explicit ``mask`` says
+  which leaves to perturb, so it is not second-guessed.
+  """
+  if mask is not None:
+    return
+  try:
+    later = _any_of([_frozen_by(fn, params) for fn in _later_stages()], params)
+  except (ValueError, TypeError, KeyError):  # fails open, as the placement checks do
+    return
+  if later is None:
+    return
+  trained = jax.tree.map(lambda _: False, params)
+  if frozen is not None:
+    trained = resolve_frozen(frozen, params)
+  paths = [
+    jax.tree_util.keystr(path)
+    for (path, late), told in zip(
+      jax.tree_util.tree_leaves_with_path(later), _flat(trained), strict=True
+    )
+    if late and not told
+  ]
+  if paths:
+    warnings.warn(
+      f"{name} perturbs leaves that a later stage of the chain freezes (optax.set_to_zero() "
+      f"in optax.partition, or optax.freeze): {', '.join(paths[:5])}"
+      f"{' ...' if len(paths) > 5 else ''}. Their perturbation changes the trained leaves' "
+      "gradient, and their own gradient is taken and discarded. To perturb and differentiate "
+      "only what is trained, pass frozen=optax_gsam.frozen_leaves(transforms, param_labels) "
+      "(the partition's own arguments) or frozen=freeze_mask; to perturb them on purpose, "
+      "select them with mask= (docs/fine_tuning.md).",
+      UserWarning,
+      stacklevel=4,
+    )

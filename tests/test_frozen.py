@@ -1,0 +1,328 @@
+"""Frozen parameters: neither perturbed nor differentiated, against float64 references.
+
+The references are written here from the formulas over the trained leaves T, with the frozen
+leaves F held at their values: eps_T = rho g_T / ||g_T||, g_p = grad_T f(w_T + eps_T, w_F).
+"""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import optax_gsam
+
+RHO, ALPHA, LR = 0.07, 0.4, 0.1
+LABELS = {
+  "backbone": {"kernel": "frozen", "bias": "frozen"},
+  "adapter": "trained",
+  "head": "trained",
+}
+TRANSFORMS = {"trained": optax.sgd(LR), "frozen": optax.set_to_zero()}
+FROZEN = {"backbone": True, "adapter": False, "head": False}  # a prefix of the params
+
+
+def _params(dtype=jnp.float64):
+  key = jax.random.key(0)
+  k1, k2, k3, k4 = jax.random.split(key, 4)
+  return {
+    "backbone": {
+      "kernel": jax.random.normal(k1, (3, 4), dtype),
+      "bias": jax.random.normal(k2, (4,), dtype),
+    },
+    "adapter": jax.random.normal(k3, (4, 4), dtype) * 0.3,
+    "head": jax.random.normal(k4, (4,), dtype),
+  }
+
+
+X = np.linspace(-1.0, 1.0, 15).reshape(5, 3)
+Y = np.cos(np.arange(5.0))
+
+
+def loss_fn(p):
+  h = jnp.tanh(X @ p["backbone"]["kernel"] + p["backbone"]["bias"])
+  h = h + h @ p["adapter"]
+  return jnp.mean((h @ p["head"] - Y) ** 2)
+
+
+def _trained(p):
+  return {"adapter": p["adapter"], "head": p["head"]}
+
+
+def _reference(params, alpha):
+  """GSAM (alpha > 0) or SAM over the trained leaves, from the formulas, in float64."""
+  frozen = params["backbone"]
+  f = lambda t: loss_fn({"backbone": frozen, **t})
+  w = _trained(params)
+  flat = lambda t: jnp.concatenate([jnp.ravel(x) for x in jax.tree.leaves(t)])
+  g_c = jax.grad(f)(w)
+  eps = jax.tree.map(lambda g: RHO * g / jnp.linalg.norm(flat(g_c)), g_c)
+  g_p = jax.grad(f)(jax.tree.map(jnp.add, w, eps))
+  inner = jnp.dot(flat(g_c), flat(g_p)) / jnp.dot(flat(g_p), flat(g_p))
+  out = jax.tree.map(lambda p, c: p - alpha * (c - inner * p), g_p, g_c)
+  return {"backbone": jax.tree.map(jnp.zeros_like, frozen), **out}
+
+
+def _assert_close(tree, expected):
+  for got, want in zip(jax.tree.leaves(tree), jax.tree.leaves(expected), strict=True):
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-14)
+
+
+def _run(transform, params, **update_keywords):
+  tx = optax.chain(transform, optax.partition(TRANSFORMS, LABELS))
+  grads = jax.grad(loss_fn)(params)
+  update = jax.jit(lambda g, s, p: tx.update(g, s, p, loss_fn=loss_fn, **update_keywords))
+  updates, state = update(grads, tx.init(params), params)
+  return updates, state
+
+
+FROZEN_FORMS = {
+  "frozen_leaves": lambda: optax_gsam.frozen_leaves(TRANSFORMS, LABELS),
+  "prefix tree": lambda: FROZEN,
+  "function": lambda: lambda params: jax.tree.map(lambda _: False, params) | {"backbone": True},
+}
+
+
+@pytest.mark.parametrize("form", FROZEN_FORMS)
+@pytest.mark.parametrize("alpha", [0.0, ALPHA], ids=["sam", "gsam"])
+def test_trained_leaves_step_as_sharpness_over_them_alone(form, alpha):
+  with jax.enable_x64(True):
+    params = _params()
+    updates, _ = _run(optax_gsam.gsam(RHO, alpha, frozen=FROZEN_FORMS[form]()), params)
+    expected = jax.tree.map(lambda g: -LR * g, _reference(params, alpha))
+    _assert_close(updates, expected)
+    assert not np.any(np.asarray(updates["backbone"]["kernel"]))
+
+
+def test_without_frozen_the_frozen_leaves_are_perturbed_and_a_warning_says_so():
+  """Today's default perturbs every leaf: the trained leaves' step differs from the reference."""
+  with jax.enable_x64(True):
+    params = _params()
+    with pytest.warns(UserWarning, match=r"later stage of the chain freezes.*'backbone'"):
+      updates, _ = _run(optax_gsam.sam(RHO), params)
+    expected = jax.tree.map(lambda g: -LR * g, _reference(params, 0.0))
+    assert not np.allclose(updates["head"], expected["head"], rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+  "make_tx",
+  [
+    lambda sam: optax.chain(sam, optax.partition(TRANSFORMS, LABELS)),
+    lambda sam: optax.chain(sam, optax.multi_transform(TRANSFORMS, LABELS)),
+    lambda sam: optax.chain(sam, optax.freeze(FROZEN), optax.sgd(LR)),
+    lambda sam: optax.chain(sam, optax.selective_transform(optax.sgd(LR), freeze_mask=FROZEN)),
+    lambda sam: optax.named_chain(("sam", sam), ("rest", optax.chain(optax.freeze(FROZEN)))),
+  ],
+  ids=["partition", "multi_transform", "freeze", "selective_transform", "named_chain"],
+)
+def test_a_later_freeze_of_perturbed_leaves_is_warned_and_frozen_silences_it(make_tx):
+  params = _params(jnp.float32)
+  grads = jax.grad(loss_fn)(params)
+  tx = make_tx(optax_gsam.sam(RHO))
+  with pytest.warns(UserWarning, match="optax_gsam.frozen_leaves"):
+    tx.update(grads, tx.init(params), params, loss_fn=loss_fn)
+  for quiet in (optax_gsam.sam(RHO, frozen=FROZEN), optax_gsam.sam(RHO, mask=FROZEN)):
+    tx = make_tx(quiet)  # told what is frozen, or an explicit choice of what to perturb
+    with warnings.catch_warnings():
+      warnings.simplefilter("error")
+      tx.update(grads, tx.init(params), params, loss_fn=loss_fn)
+
+
+def test_no_warning_when_nothing_after_the_transform_freezes():
+  params = _params(jnp.float32)
+  transforms = {"trained": optax.sgd(LR), "frozen": optax.adam(1e-3)}  # both trained
+  tx = optax.chain(optax_gsam.sam(RHO), optax.partition(transforms, LABELS))
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    tx.update(jax.grad(loss_fn)(params), tx.init(params), params, loss_fn=loss_fn)
+
+
+def test_momentum_sam_perturbs_and_differentiates_only_the_trained_leaves():
+  mu = 0.9
+  with jax.enable_x64(True):
+    params = _params()
+    tx = optax_gsam.momentum_sam(RHO, mu, frozen=optax_gsam.frozen_leaves(TRANSFORMS, LABELS))
+    state = tx.init(params)
+    assert state.momentum["backbone"]["kernel"].size == 0  # no state for a frozen leaf
+    velocity = jax.tree.map(jnp.zeros_like, _trained(params))
+    for step in range(3):
+      w = jax.tree.map(lambda x: x + 0.01 * step * jnp.sign(x), params)  # noqa: B023
+      norm = jnp.sqrt(sum(jnp.sum(v**2) for v in jax.tree.leaves(velocity)))
+      t = jax.tree.map(lambda x, v: x - RHO * v / (norm + 1e-12), _trained(w), velocity)  # noqa: B023
+      expected = jax.grad(lambda t: loss_fn({"backbone": w["backbone"], **t}))(t)  # noqa: B023
+      updates, state = tx.update(optax.tree.zeros_like(w), state, w, loss_fn=loss_fn)
+      _assert_close(_trained(updates), expected)
+      assert not np.any(np.asarray(updates["backbone"]["bias"]))
+      velocity = jax.tree.map(lambda v, g: mu * v + g, velocity, expected)
+
+
+def test_micro_batches_accumulate_the_trained_leaves_only():
+  """updates=None: the transform takes the clean pass too, over the trained leaves."""
+  with jax.enable_x64(True):
+    params = _params()
+    batch = {"x": jnp.asarray(X[:4]), "y": jnp.asarray(Y[:4])}
+
+    def micro_loss(p, microbatch):
+      h = jnp.tanh(microbatch["x"] @ p["backbone"]["kernel"] + p["backbone"]["bias"])
+      h = h + h @ p["adapter"]
+      return jnp.mean((h @ p["head"] - microbatch["y"]) ** 2)
+
+    tx = optax_gsam.sam(RHO, frozen=FROZEN, microbatches=2)
+    updates, _ = tx.update(None, tx.init(params), params, loss_fn=micro_loss, batch=batch)
+    whole = lambda t: micro_loss({"backbone": params["backbone"], **t}, batch)
+    w = _trained(params)
+    g_c = jax.grad(whole)(w)
+    norm = jnp.sqrt(sum(jnp.sum(g**2) for g in jax.tree.leaves(g_c)))
+    expected = jax.grad(whole)(jax.tree.map(lambda x, g: x + RHO * g / norm, w, g_c))
+    _assert_close(_trained(updates), expected)
+
+
+def test_a_frozen_leaf_costs_no_gradient_and_no_state():
+  """The perturbed pass differentiates the trained leaves only: the frozen kernel's weight
+  gradient (a 64 x 512 x 512 matmul) is not computed, and a reuse policy stores nothing
+  for it."""
+  n, d, r = 64, 512, 4
+  params = {
+    "kernel": jnp.ones((d, d)) / d,
+    "lora_a": jnp.full((d, r), 0.01),
+    "lora_b": jnp.full((r, d), 0.01),
+  }
+  x = jnp.linspace(-1.0, 1.0, n * d).reshape(n, d)
+  loss = lambda p, x: jnp.mean(jnp.square(x @ p["kernel"] + (x @ p["lora_a"]) @ p["lora_b"]))
+  grads = jax.grad(loss)(params, x)  # the caller's clean pass, outside the measured program
+  frozen = {"kernel": True, "lora_a": False, "lora_b": False}
+
+  def flops(frozen):
+    tx = optax_gsam.sam(0.05, frozen=frozen, policy=optax_gsam.every_k_policy(2))
+    state = tx.init(params)
+
+    def step(grads, state, params, x):
+      return tx.update(grads, state, params, loss_fn=lambda p: loss(p, x), perturb=True)
+
+    compiled = jax.jit(step).lower(grads, state, params, x).compile()
+    return compiled.cost_analysis()["flops"], state
+
+  with_frozen, state = flops(frozen)
+  without, _ = flops(None)
+  assert without - with_frozen > 0.9 * 2 * n * d * d
+  assert state.stored_direction["kernel"].size == 0
+
+
+@pytest.mark.parametrize(
+  ("frozen", "match"),
+  [
+    (True, "bare bool"),
+    ({"backbone": jnp.array(True), "adapter": False, "head": False}, "Python bools"),
+  ],
+)
+def test_bad_frozen_is_refused_when_built(frozen, match):
+  with pytest.raises(ValueError, match=match):
+    optax_gsam.sam(RHO, frozen=frozen)
+  with pytest.raises(ValueError, match=match):
+    optax_gsam.momentum_sam(RHO, frozen=frozen)
+
+
+def test_freezing_everything_or_masking_only_frozen_leaves_is_refused():
+  params = _params(jnp.float32)
+  everything = {"backbone": True, "adapter": True, "head": True}
+  with pytest.raises(ValueError, match="nothing would be trained"):
+    optax_gsam.sam(RHO, frozen=everything).init(params)
+  tx = optax_gsam.sam(RHO, frozen=FROZEN, mask={"backbone": True, "adapter": False, "head": False})
+  with pytest.raises(ValueError, match="Every leaf that mask selects is frozen"):
+    tx.update(jax.grad(loss_fn)(params), tx.init(params), params, loss_fn=loss_fn)
+  with pytest.raises(ValueError, match="does not match params"):
+    optax_gsam.sam(RHO, frozen={"backbone": True}).init(params)
+
+
+def test_frozen_leaves_needs_a_set_to_zero_label():
+  with pytest.raises(ValueError, match="nothing is frozen"):
+    optax_gsam.frozen_leaves({"a": optax.sgd(0.1), "b": optax.adam(0.1)}, LABELS)
+
+
+def test_sam_inside_one_group_of_a_partition_names_the_chain_form():
+  params = _params(jnp.float32)
+  inside = optax.partition(
+    {"trained": optax.chain(optax_gsam.sam(RHO), optax.sgd(LR)), "frozen": optax.set_to_zero()},
+    LABELS,
+  )
+  with pytest.raises(ValueError, match=r"inside one group of optax.partition.*frozen_leaves"):
+    inside.update(jax.grad(loss_fn)(params), inside.init(params), params, loss_fn=loss_fn)
+
+
+def test_full_step_due_reads_the_trained_leaves_as_update_does():
+  """gradient_norm_policy decides on ||g_T||: with frozen=, full_step_due agrees with update,
+  also at a step where only the frozen leaves' gradient spikes (which would otherwise decide)."""
+  params = _params(jnp.float32)
+  policy = optax_gsam.gradient_norm_policy(1.0, decay=0.5)
+  tx = optax_gsam.sam(RHO, frozen=FROZEN, policy=policy)
+  state = tx.init(params)
+  answers = []
+  for scale in [1.0, 1.0, 1.0, 1000.0]:  # the frozen leaves' gradient spikes at the last step
+    grads = jax.grad(loss_fn)(params)
+    grads = {**grads, "backbone": jax.tree.map(lambda g: scale * g, grads["backbone"])}  # noqa: B023
+    due = optax_gsam.full_step_due(state, grads, policy=policy, rho=RHO, frozen=FROZEN)
+    reading_all = optax_gsam.full_step_due(state, grads, policy=policy, rho=RHO)
+    before = int(state.full_steps)
+    _, state = tx.update(grads, state, params, loss_fn=loss_fn)
+    assert bool(due) == (int(state.full_steps) == before + 1)
+    answers.append((bool(due), bool(reading_all)))
+  assert answers[-1] == (False, True)
+
+
+def test_a_frozen_function_under_inject_hyperparams_needs_static_args():
+  params = _params(jnp.float32)
+  frozen = optax_gsam.frozen_leaves(TRANSFORMS, LABELS)
+  static = optax.inject_hyperparams(optax_gsam.sam, static_args=("frozen",))(rho=RHO, frozen=frozen)
+  grads = jax.grad(loss_fn)(params)
+  got, _ = static.update(grads, static.init(params), params, loss_fn=loss_fn)
+  plain = optax_gsam.sam(RHO, frozen=FROZEN)
+  want, _ = plain.update(grads, plain.init(params), params, loss_fn=loss_fn)
+  _assert_close(got, want)
+  with pytest.raises(ValueError, match=r"static_args=\('frozen',\)"):
+    optax.inject_hyperparams(optax_gsam.sam)(rho=RHO, frozen=frozen).init(params)
+
+
+@pytest.mark.parametrize("axis_type", ["Explicit", "Auto"])
+def test_sharded_lora_step_keeps_the_layout_and_the_unsharded_numbers(axis_type):
+  """A kernel and an adapter sharded over a model axis, the batch over a data axis."""
+  kind = getattr(jax.sharding.AxisType, axis_type)
+  mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(kind, kind))
+  spec = {"kernel": P(None, "model"), "lora_a": P(), "lora_b": P(None, "model")}
+  params = {
+    "kernel": jnp.linspace(-0.2, 0.2, 8 * 16).reshape(8, 16),
+    "lora_a": jnp.full((8, 2), 0.05),
+    "lora_b": jnp.linspace(0.0, 0.1, 32).reshape(2, 16),
+  }
+  x = jnp.linspace(-1.0, 1.0, 64 * 8).reshape(64, 8)
+  explicit = kind == jax.sharding.AxisType.Explicit
+
+  def loss(p, x, out=None):  # out: the contraction's sharding, which explicit axes ask for
+    h = jnp.matmul(x, p["kernel"], out_sharding=out)
+    h = h + jnp.matmul(x @ p["lora_a"], p["lora_b"], out_sharding=out)
+    return jnp.mean(jnp.square(jnp.tanh(h) - 0.3))
+
+  labels = {"kernel": "frozen", "lora_a": "trained", "lora_b": "trained"}
+  tx = optax.chain(
+    optax_gsam.sam(RHO, frozen=optax_gsam.frozen_leaves(TRANSFORMS, labels)),
+    optax.partition(TRANSFORMS, labels),
+  )
+
+  def step(p, s, x, out=None):
+    grads = jax.grad(loss)(p, x, out)
+    updates, s = tx.update(grads, s, p, loss_fn=lambda q: loss(q, x, out))
+    return optax.apply_updates(p, updates), s
+
+  with jax.set_mesh(mesh):
+    sharded = {k: jax.device_put(v, NamedSharding(mesh, spec[k])) for k, v in params.items()}
+    sharded_x = jax.device_put(x, NamedSharding(mesh, P("data")))
+    out = P("data", "model") if explicit else None
+    got, _ = jax.jit(lambda p, s, x: step(p, s, x, out))(sharded, tx.init(sharded), sharded_x)
+    assert got["lora_b"].sharding.spec == spec["lora_b"]
+  want, _ = jax.jit(step)(params, tx.init(params), x)
+  for name in params:
+    np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-7)
+  np.testing.assert_array_equal(got["kernel"], params["kernel"])
