@@ -14,7 +14,8 @@ once, whatever its trip count, so FLOPs of the scanned steps are not comparable 
 
     python benchmarks/microbatches.py            # global batch 2048, K in 1 2 4 8 16, 15 rounds
     python benchmarks/microbatches.py --quick    # global batch 512, K in 2 4, 3 rounds
-    python benchmarks/microbatches.py --memory   # compiled temp memory only (no timing)
+    python benchmarks/microbatches.py --memory   # compiled temp memory only (no timing), K in
+                                                 # 2 4 8, then K=4 at micro-batches 16 64 256
 
 ``--memory`` compares compiled ``temp_size_in_bytes`` at the same micro-batch size: the
 micro-batched GSAM, SAM and SAM ``diagnostics=False`` steps against AdamW with its gradient
@@ -135,38 +136,48 @@ MEMORY_CONTENDERS = {
 }
 
 
-def measure_memory(batch_size: int, counts: list[int]) -> dict:
-  """Compiled temp MiB per contender and number of micro-batches, and the targets' verdicts."""
-  params, batch = make_problem(batch_size)
-  param_mib = sum(x.nbytes for x in jax.tree.leaves(params)) / 2**20
+def measure_memory(cases: list[tuple[int, int]]) -> dict:
+  """Compiled temp MiB per contender for each (k, global batch), and the targets' verdicts."""
   rows: dict[str, dict[str, float]] = {}
   checks = []
-  for k in counts:
+  param_mib = 0.0
+  for k, batch_size in cases:
+    params, batch = make_problem(batch_size)
+    param_mib = sum(x.nbytes for x in jax.tree.leaves(params)) / 2**20
     adamw_tx, adamw_step = scanned_adamw_step(k)
     adamw = temp_bytes(adamw_step, params, adamw_tx.init(params), batch) / 2**20
-    row = {"adamw_scan_MiB": adamw}
+    row = {"microbatch_size": batch_size // k, "adamw_scan_MiB": adamw}
+    label = f"k={k} micro={batch_size // k}"
     for name, ((method, options), allowed) in MEMORY_CONTENDERS.items():
       tx, step = make_step(f"k={k}", method, **options)
       mib = temp_bytes(step, params, tx.init(params), batch) / 2**20
       extra = (mib - adamw) / param_mib
       row[f"{name}_MiB"], row[f"{name}_extra_params"] = mib, extra
       # Counted to 1% of a buffer: the state's scalars and the batch's index vectors add bytes.
-      what = f"k={k} {name}: params-sized buffers over AdamW scan <= {allowed} (to 1%)"
+      what = f"{label} {name}: params-sized buffers over AdamW scan <= {allowed} (to 1%)"
       checks.append(harness.check(what, extra, extra <= allowed + 0.01))
     row["clean_scan_MiB"] = temp_bytes(clean_pass("ours", k, batch_size), params, batch) / 2**20
     row["clean_optax_MiB"] = temp_bytes(clean_pass("optax", k, batch_size), params, batch) / 2**20
-    rows[f"k={k}"] = row
+    rows[label] = row
   return {"param_MiB": param_mib, "rows": rows, "checks": checks}
 
 
 def memory_table(rows: dict) -> str:
   names = list(MEMORY_CONTENDERS)
-  cells = [("k", "AdamW scan", *[f"{n} (+params)" for n in names], "clean: scan", "clean: optax")]
-  for k, row in rows.items():
+  cells = [
+    (
+      "k, micro-batch",
+      "AdamW scan",
+      *[f"{n} (+params)" for n in names],
+      "clean: scan",
+      "clean: optax",
+    )
+  ]
+  for label, row in rows.items():
     found = [f"{row[f'{n}_MiB']:.2f} (+{row[f'{n}_extra_params']:.2f})" for n in names]
     cells.append(
       (
-        k,
+        label,
         f"{row['adamw_scan_MiB']:.2f}",
         *found,
         f"{row['clean_scan_MiB']:.2f}",
@@ -229,13 +240,18 @@ def main(argv: list[str] | None = None) -> dict:
   args = parser.parse_args(argv)
   batch_size = args.batch or (512 if args.quick else 2048)
   if args.memory:
+    # k micro-batches of the global batch, then k = 4 at small micro-batch sizes, where the
+    # activations no longer hide a parameter-sized buffer.
     counts = [2, 4] if args.quick else [2, 4, 8]
-    found = measure_memory(batch_size, counts)
-    print(f"compiled temp MiB, global batch {batch_size}, MLP {FEATURES}-{WIDTH}-{WIDTH}-10, ")
-    print(f"params {found['param_MiB']:.2f} MiB; (+n): n params-sized buffers over AdamW scan")
+    sizes = [16, 64] if args.quick else [16, 64, 256]
+    cases = [(k, batch_size) for k in counts] + [(4, 4 * size) for size in sizes]
+    found = measure_memory(cases)
+    print(f"compiled temp MiB, MLP {FEATURES}-{WIDTH}-{WIDTH}-10, AdamW, global batch {batch_size}")
+    print(f"and 4 x micro-batch; params {found['param_MiB']:.2f} MiB; (+n): n params-sized")
+    print("buffers over AdamW with the gradient summed in a lax.scan")
     print(memory_table(found["rows"]))
     mode = "quick" if args.quick else "full"
-    result = {"batch": batch_size, "counts": counts, **found}
+    result = {"batch": batch_size, "cases": cases, **found}
     return harness.save("microbatches", mode, result, args.out_dir, argv, suffix="_memory")
   counts = [2, 4] if args.quick else [2, 4, 8, 16]
   rounds = args.rounds or (3 if args.quick else 15)

@@ -272,6 +272,8 @@ def test_microbatches_smoke(tmp_path):
 
 def test_microbatches_memory_smoke(tmp_path):
   result = microbatches.main(["--memory", "--quick", "--batch", "64", "--out-dir", str(tmp_path)])
-  assert set(result["rows"]) == {"k=2", "k=4"}
-  assert all(value > 0 for row in result["rows"].values() for value in row.values())
+  assert set(result["rows"]) == {"k=2 micro=32", "k=4 micro=16", "k=4 micro=64"}
+  mib = [value for row in result["rows"].values() for key, value in row.items() if "MiB" in key]
+  assert all(value > 0 for value in mib)
+  assert all(check["met"] for check in result["checks"]), result["checks"]
   assert (tmp_path / "microbatches_quick_memory.json").is_file()

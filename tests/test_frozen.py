@@ -4,6 +4,7 @@ The references are written here from the formulas over the trained leaves T, wit
 leaves F held at their values: eps_T = rho g_T / ||g_T||, g_p = grad_T f(w_T + eps_T, w_F).
 """
 
+import tempfile
 import warnings
 
 import jax
@@ -147,7 +148,7 @@ def test_momentum_sam_perturbs_and_differentiates_only_the_trained_leaves():
     params = _params()
     tx = optax_gsam.momentum_sam(RHO, mu, frozen=optax_gsam.frozen_leaves(TRANSFORMS, LABELS))
     state = tx.init(params)
-    assert state.momentum["backbone"]["kernel"].size == 0  # no state for a frozen leaf
+    assert not jax.tree.leaves(state.momentum["backbone"])  # no state for a frozen leaf
     velocity = jax.tree.map(jnp.zeros_like, _trained(params))
     for step in range(3):
       w = jax.tree.map(lambda x: x + 0.01 * step * jnp.sign(x), params)  # noqa: B023
@@ -209,7 +210,7 @@ def test_a_frozen_leaf_costs_no_gradient_and_no_state():
   with_frozen, state = flops(frozen)
   without, _ = flops(None)
   assert without - with_frozen > 0.9 * 2 * n * d * d
-  assert state.stored_direction["kernel"].size == 0
+  assert not jax.tree.leaves(state.stored_direction["kernel"])
 
 
 @pytest.mark.parametrize(
@@ -326,3 +327,70 @@ def test_sharded_lora_step_keeps_the_layout_and_the_unsharded_numbers(axis_type)
   for name in params:
     np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-7)
   np.testing.assert_array_equal(got["kernel"], params["kernel"])
+
+
+def test_the_state_with_frozen_leaves_round_trips_through_orbax():
+  """A frozen leaf's place in the state is an empty node: orbax refuses zero-size arrays."""
+  ocp = pytest.importorskip("orbax.checkpoint")
+  params, frozen = _params(jnp.float32), FROZEN
+  for transform in (
+    optax_gsam.momentum_sam(RHO, frozen=frozen),
+    optax_gsam.sam(RHO, frozen=frozen, policy=optax_gsam.every_k_policy(2)),
+    optax_gsam.gsam(RHO, ALPHA, frozen=frozen, ascent=optax_gsam.friendly_ascent()),
+  ):
+    tx = optax.chain(transform, optax.adam(1e-3))
+    _, state = tx.update(jax.grad(loss_fn)(params), tx.init(params), params, loss_fn=loss_fn)
+    directory = tempfile.mkdtemp() + "/state"
+    with ocp.StandardCheckpointer() as checkpointer:
+      checkpointer.save(directory, state)
+    with ocp.StandardCheckpointer() as checkpointer:
+      restored = checkpointer.restore(directory, tx.init(params))
+    jax.tree.map(np.testing.assert_array_equal, restored, state)
+
+
+def test_the_forms_optax_takes_and_the_chains_around_the_transform():
+  """A callable pytree of bools (an Equinox module) is a tree, not a function, as optax.masked
+  reads it; the warning finds a freeze in an enclosing chain and a label mapped to a chain that
+  ends in set_to_zero; a frozen leaf that is not a float is left alone."""
+  eqx = pytest.importorskip("equinox")
+  model = eqx.nn.MLP(3, 2, 8, 2, key=jax.random.key(0))
+  params, static = eqx.partition(model, eqx.is_inexact_array)
+  loss = lambda p: jnp.mean(jax.vmap(eqx.combine(p, static))(jnp.ones((4, 3))) ** 2)
+  layer = lambda m: (m.layers[0].weight, m.layers[0].bias)
+  frozen = eqx.tree_at(layer, jax.tree.map(lambda _: False, params), (True, True))
+  grads = jax.grad(loss)(params)
+  tx = optax.chain(optax_gsam.sam(RHO, frozen=frozen), optax.freeze(frozen), optax.sgd(LR))
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    updates, _ = tx.update(grads, tx.init(params), params, loss_fn=loss)
+  assert not np.any(np.asarray(updates.layers[0].weight))
+  for tx in (
+    optax.chain(optax.chain(optax_gsam.sam(RHO), optax.sgd(LR)), optax.freeze(frozen)),
+    optax.chain(optax_gsam.sam(RHO), optax.freeze(frozen), optax.sgd(LR)),
+  ):
+    with pytest.warns(UserWarning, match=r"layers\[0\]"):
+      tx.update(grads, tx.init(params), params, loss_fn=loss)
+  chained_zero = {"trained": optax.sgd(LR), "frozen": optax.chain(optax.set_to_zero())}
+  tx = optax.chain(optax_gsam.sam(RHO), optax.partition(chained_zero, LABELS))
+  small = _params(jnp.float32)
+  with pytest.warns(UserWarning, match="backbone"):
+    tx.update(jax.grad(loss_fn)(small), tx.init(small), small, loss_fn=loss_fn)
+  assert optax_gsam.frozen_leaves(chained_zero, LABELS)(small)["backbone"]["kernel"]
+  with_step = {"w": jnp.ones(3), "step": jnp.zeros((), jnp.int32)}
+  tx = optax_gsam.sam(RHO, frozen={"w": False, "step": True})
+  step_loss = lambda p: jnp.sum(jnp.sin(p["w"]))
+  grads = jax.grad(step_loss, allow_int=True)(with_step)
+  updates, _ = tx.update(grads, tx.init(with_step), with_step, loss_fn=step_loss)
+  assert updates["step"].dtype == grads["step"].dtype and np.all(np.asarray(updates["w"]) != 0)
+
+
+def test_errors_keep_naming_the_fix_with_frozen_leaves():
+  params = {"a": jnp.ones(2), "b": jnp.ones(2)}
+  tx = optax_gsam.sam(RHO, microbatches=2, frozen={"a": False, "b": True})
+  with pytest.raises(ValueError, match=r"calls loss_fn\(params, microbatch\)"):
+    tx.update(
+      None, tx.init(params), params, loss_fn=lambda p: jnp.sum(p["a"]), batch=jnp.ones((4, 2))
+    )
+  tx = optax.chain(optax_gsam.sam(RHO, frozen={"a": True, "b": False}), optax.adam(1e-3))
+  with pytest.raises(ValueError, match=r"jax.jit\(tx.init\)"):
+    optax.tree_map_params(tx, lambda p, s: s, tx.init(params), params)

@@ -297,6 +297,16 @@ _INJECTED_MASK_FIX = (
 )
 
 
+def is_function(tree: Any) -> bool:
+  """Whether a mask (or ``frozen``) is a function of the params, by ``optax.masked``'s rule.
+
+  A pytree of bools can itself be callable (an Equinox module is): it is a
+  function only where its leaves are.
+  """
+  callable_leaves = jax.tree.leaves(jax.tree.map(callable, tree))
+  return bool(callable_leaves) and all(callable_leaves)
+
+
 def check_mask(mask: MaskOrFn) -> None:
   """A mask is None, a callable, or a pytree whose leaves are Python bools (static).
 
@@ -304,7 +314,7 @@ def check_mask(mask: MaskOrFn) -> None:
   what a mask function gives when ``optax.inject_hyperparams`` evaluates it as
   a schedule on the step count.
   """
-  if mask is None or callable(mask):
+  if mask is None or is_function(mask):
     return
   if isinstance(mask, (bool, np.bool_)):
     raise ValueError(
@@ -329,8 +339,9 @@ def resolve_mask(mask: MaskOrFn, params: optax.Params) -> Any:
   """The mask as a pytree of bools for these params (None: every leaf)."""
   if mask is None:
     return None
-  tree = mask(params) if callable(mask) else mask
-  if callable(mask):
+  function = is_function(mask)
+  tree = mask(params) if function else mask
+  if function:
     check_mask(tree)
   try:
     jax.tree.map(lambda selected, subtree: None, tree, params)

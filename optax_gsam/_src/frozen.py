@@ -17,12 +17,14 @@ checks are (:mod:`optax_gsam._src.placement`), and warned about.
 
 from __future__ import annotations
 
+import functools
 import sys
 import types
 import warnings
 from collections.abc import Callable
 from collections.abc import Mapping
 from typing import Any
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +32,7 @@ import numpy as np
 import optax
 
 from optax_gsam._src import placement
+from optax_gsam._src.ascent import is_function
 from optax_gsam._src.ascent import resolve_mask
 
 FrozenOrFn = Any  # a pytree of Python bools (a prefix of params), or params -> such a pytree
@@ -40,9 +43,13 @@ _STATIC_FIX = (
 )
 
 
+class FrozenLeaf(NamedTuple):
+  """What stands for a frozen leaf inside the transform: an empty node, no array."""
+
+
 def check_frozen(frozen: FrozenOrFn) -> None:
   """``frozen`` is None, a callable, or a pytree of Python bools (True: frozen); else ValueError."""
-  if frozen is None or callable(frozen):
+  if frozen is None or is_function(frozen):
     return
   if isinstance(frozen, (bool, np.bool_)):
     raise ValueError(
@@ -67,8 +74,9 @@ def _expanded(prefix: Any, tree: Any) -> Any:
 
 def resolve_frozen(frozen: FrozenOrFn, params: optax.Params) -> Any:
   """``frozen`` as a bool at every leaf of ``params``; refuses a tree that freezes every leaf."""
-  tree = frozen(params) if callable(frozen) else frozen
-  if callable(frozen):
+  function = is_function(frozen)
+  tree = frozen(params) if function else frozen
+  if function:
     check_frozen(tree)
   try:
     flags = _expanded(tree, params)
@@ -84,13 +92,8 @@ def resolve_frozen(frozen: FrozenOrFn, params: optax.Params) -> Any:
   return flags
 
 
-def _placeholder(leaf: jax.Array) -> jax.Array:
-  """What stands for a frozen leaf inside the transform: no entries, the leaf's dtype."""
-  return jnp.zeros((0,), jnp.result_type(leaf))
-
-
 def _trained(flags: Any, tree: Any) -> Any:
-  return jax.tree.map(lambda f, x: _placeholder(x) if f else x, flags, tree)
+  return jax.tree.map(lambda f, x: FrozenLeaf() if f else x, flags, tree)
 
 
 def trained_part(frozen: FrozenOrFn, tree: Any) -> Any:
@@ -99,14 +102,21 @@ def trained_part(frozen: FrozenOrFn, tree: Any) -> Any:
 
 
 def _frozen_functions(extra_args: dict[str, Any], flags: Any, params: optax.Params) -> dict:
-  """``loss_fn``/``value_and_grad_fn`` of the trained leaves: the frozen ones are held constant."""
+  """``loss_fn``/``value_and_grad_fn`` of the trained leaves: the frozen ones are held constant.
+
+  Each keeps the user's signature (``functools.wraps``), which the micro-batch call-form check
+  reads.
+  """
   merged = lambda trained: jax.tree.map(lambda f, t, p: p if f else t, flags, trained, params)
   forwarded = dict(extra_args)
   loss_fn, value_and_grad_fn = extra_args.get("loss_fn"), extra_args.get("value_and_grad_fn")
   if callable(loss_fn):
-    forwarded["loss_fn"] = lambda trained, *args: loss_fn(merged(trained), *args)
+    forwarded["loss_fn"] = functools.wraps(loss_fn)(
+      lambda trained, *args: loss_fn(merged(trained), *args)
+    )
   if callable(value_and_grad_fn):
 
+    @functools.wraps(value_and_grad_fn)
     def trained_value_and_grad(trained, *args):
       value, grads = value_and_grad_fn(merged(trained), *args)
       return value, _trained(flags, grads)
@@ -133,6 +143,14 @@ def with_frozen(
   def init_fn(params):
     if frozen is None:
       return tx.init(params)
+    if not jax.tree.leaves(params):  # optax.tree_map_params' one placeholder for all params
+      raise ValueError(
+        f"{name} with frozen= builds its state from the params' structure, which "
+        f"{type(params).__name__} does not have (optax.tree_map_params passes one placeholder "
+        "for the whole params). Build the state with jax.jit(tx.init) on the sharded params "
+        "(its leaves keep their shardings), or read its layout with jax.eval_shape(tx.init, "
+        "params)."
+      )
     return tx.init(_trained(resolve_frozen(frozen, params), params))
 
   def update_fn(updates, state, params=None, **extra_args):
@@ -179,14 +197,38 @@ def _flat(flags: Any) -> list[bool]:
 
 
 def _zeroes_updates(tx: Any) -> bool:
-  """Whether ``tx`` is ``optax.set_to_zero()`` (possibly behind optax's extra-args wrapper)."""
+  """Whether ``tx`` is ``optax.set_to_zero()`` (behind optax's extra-args wrapper or not), or
+  a chain whose last stage is."""
   update = getattr(tx, "update", None)
-  code = getattr(placement.unwrapped_update(update), "__code__", None) if update else None
-  return (
-    code is not None
-    and code.co_qualname == "set_to_zero.<locals>.update_fn"
-    and placement.OPTAX_DIR in code.co_filename
-  )
+  if update is None:
+    return False
+  update = placement.unwrapped_update(update)
+  code = getattr(update, "__code__", None)
+  if code is None or placement.OPTAX_DIR not in code.co_filename:
+    return False
+  if code.co_qualname == "set_to_zero.<locals>.update_fn":
+    return True
+  stages = _chain_updates(update)
+  return stages is not None and bool(stages) and _zeroes_updates(_Stage(stages[-1]))
+
+
+class _Stage(NamedTuple):
+  """A stage of a chain, known by its update function only."""
+
+  update: Callable
+
+
+def _chain_updates(update: Any) -> list[Callable] | None:
+  """The stages' update functions of an ``optax.chain`` or ``named_chain`` update; else None."""
+  code = getattr(update, "__code__", None)
+  if code is None or code.co_qualname not in (
+    "chain.<locals>.update_fn",
+    "named_chain.<locals>.update_fn",
+  ):
+    return None
+  cells = dict(zip(code.co_freevars, update.__closure__ or (), strict=False))
+  value = lambda name: cells[name].cell_contents if name in cells else None
+  return list(value("update_fns") or [tx.update for _, tx in value("transforms") or ()])
 
 
 def _labels_frozen(transforms: Mapping[Any, Any], param_labels: Any, params: Any) -> Any:
@@ -275,16 +317,20 @@ def _frozen_by(update: Any, params: optax.Params) -> Any:
   if code is None or placement.OPTAX_DIR not in code.co_filename:
     return None
   cells = dict(zip(code.co_freevars, update.__closure__ or (), strict=False))
-  value = lambda name: cells[name].cell_contents if name in cells else None
+
+  def value(name: str) -> Any:
+    return cells[name].cell_contents if name in cells else None
+
   if code.co_qualname == "partition.<locals>.update_fn":
     transforms, labels = value("transforms"), value("param_labels")
     if isinstance(transforms, Mapping):
       return _labels_frozen(transforms, labels, params)
   elif code.co_qualname == "masked.<locals>.update_fn" and _zeroes_updates(value("inner")):
     mask = value("mask")
-    return _expanded(mask(params) if callable(mask) else mask, params)
-  elif code.co_qualname in ("chain.<locals>.update_fn", "named_chain.<locals>.update_fn"):
-    fns = value("update_fns") or [tx.update for _, tx in value("transforms") or ()]
+    return _expanded(mask(params) if is_function(mask) else mask, params)
+  elif (fns := _chain_updates(update)) is not None:
+    if fns and _zeroes_updates(_Stage(fns[-1])):
+      return jax.tree.map(lambda _: True, params)
     return _any_of([_frozen_by(fn, params) for fn in fns], params)
   return None
 
@@ -297,14 +343,14 @@ def _any_of(trees: list[Any], params: optax.Params) -> Any:
 
 
 def _later_stages() -> list[Callable]:
-  """The update functions that the optax chain calling the transform runs after it."""
+  """The update functions that the optax chains around the transform run after it, from the
+  innermost chain out."""
   frame: types.FrameType | None = sys._getframe(1)
+  stages: list[Callable] = []
   while frame is not None:
-    later = placement.later_stages(frame)
-    if later is not None:
-      return later
+    stages += placement.later_stages(frame) or []
     frame = frame.f_back
-  return []
+  return stages
 
 
 def warn_if_frozen_later(name: str, frozen: FrozenOrFn, mask: Any, params: optax.Params) -> None:

@@ -181,10 +181,10 @@ def _two_pass_pair_stats(a: optax.Updates, b: optax.Updates) -> tuple[jax.Array,
   the whole perturbed pass.
   """
   exp_a, exp_b = _exponent(a), _exponent(b)
-  half_a, scaled_b = _scaled_norm(a, exp_a + 1), _scaled_norm(b, exp_b)
+  half_a, half_b = _scaled_norm(a, exp_a + 1), _scaled_norm(b, exp_b + 1)
   dot = _scaled_dot(a, b, exp_a, exp_b)
-  cosine = dot * _safe_inverse(2 * half_a) * _safe_inverse(scaled_b)
-  return _unscale(half_a, exp_a + 1), _unscale(scaled_b, exp_b), cosine
+  cosine = dot * _safe_inverse(2 * half_a) * _safe_inverse(2 * half_b)
+  return _unscale(half_a, exp_a + 1), _unscale(half_b, exp_b + 1), cosine
 
 
 # ----------------------------------------------------------------------------- TPU's and GPU's form

@@ -129,15 +129,16 @@ def _next_state(
   outcome: step.Outcome,
   policy_state: Any,
   evaluations: tuple[int, int],
+  counts: jax.Array,
 ) -> GSAMState:
   """Stage 6: a step whose output is not finite does not count.
 
   With the rest of the chain behind ``optax.apply_if_finite``, rho schedules
   then stay aligned with the optimizers after this one. ``evaluations`` is the
-  number of whole-batch gradients a full and a cheap step evaluate.
+  number of whole-batch gradients a full and a cheap step evaluate; ``counts``
+  whether the output is finite.
   """
   increment = lambda count, flag: jnp.where(flag, optax.safe_increment(count), count)
-  counts = step.all_finite(outcome.gradient)
   perturbed_loss_ok = jnp.isfinite(outcome.diagnostics.perturbed_loss)
   evaluated = jnp.where(outcome.full, evaluations[0], evaluations[1]).astype(jnp.int32)
   return GSAMState(
@@ -176,6 +177,19 @@ def _run_stages(context, updates, params, grad_fn, clean_loss, perturb, inputs):
     context, updates, params, grad_fn, clean_loss, perturb
   )
   return outcome, policy_state, (ascent_steps + accumulating, accumulating)
+
+
+def _checked_before_use(gradient: optax.Updates) -> tuple[optax.Updates, jax.Array]:
+  """The output and whether it is finite, the check ordered before the output's readers on CPU.
+
+  XLA's CPU compiler may otherwise schedule the check's reduction after the stages of the chain
+  that read the output, which then cannot write their results over it: one params-sized
+  buffer more (SAM with micro-batches before SGD, tests/test_microbatches.py).
+  """
+  checked = (gradient, step.all_finite(gradient))
+  return jax.lax.platform_dependent(
+    checked, cpu=jax.lax.optimization_barrier, default=lambda pair: pair
+  )
 
 
 def _materialized_on_tpu(tree: Any) -> Any:
@@ -240,7 +254,9 @@ def _update_fn(settings: step.Settings, rho: optax.ScalarOrSchedule, check_axis:
     outcome, policy_state, evaluations = _run_stages(
       context, updates, params, grad_fn, clean_loss, call.perturb, inputs
     )
-    return outcome.gradient, _next_state(state, hyper, outcome, policy_state, evaluations)
+    gradient, counts = _checked_before_use(outcome.gradient)
+    outcome = outcome._replace(gradient=gradient)
+    return gradient, _next_state(state, hyper, outcome, policy_state, evaluations, counts)
 
   return update_fn
 

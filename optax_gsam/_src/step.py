@@ -161,10 +161,19 @@ def pmean_inexact(tree: Any, axis_name: AxisName) -> Any:
 
 
 def all_finite(tree: Any) -> jax.Array:
+  """Whether every entry of ``tree`` is finite, as one sum per leaf.
+
+  ``x * 0`` is 0 for a finite entry and NaN for an infinite or NaN one, and a sum
+  of zeros cannot overflow, so the sum is finite exactly when every entry is.
+  Unlike ``jnp.all(jnp.isfinite(x))``, which XLA's CPU compiler materializes as
+  a boolean array (a quarter of a float32 parameter buffer) before reducing it,
+  the product fuses into the sum. (A maximum of ``|x|`` would not do: the CPU's
+  vectorized maximum drops NaNs.)
+  """
   leaves = jax.tree.leaves(tree)
   if not leaves:
     return jnp.asarray(True)
-  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
+  return jnp.all(jnp.stack([jnp.isfinite(jnp.sum(x * 0)) for x in leaves]))
 
 
 def hyperparams_at(
