@@ -242,8 +242,8 @@ def main(argv: list[str] | None = None) -> dict:
   if args.memory:
     # k micro-batches of the global batch, then k = 4 at small micro-batch sizes, where the
     # activations no longer hide a parameter-sized buffer.
-    counts = [2, 4] if args.quick else [2, 4, 8]
-    sizes = [16, 64] if args.quick else [16, 64, 256]
+    counts = [2] if args.quick else [2, 4, 8]
+    sizes = [16] if args.quick else [16, 64, 256]
     cases = [(k, batch_size) for k in counts] + [(4, 4 * size) for size in sizes]
     found = measure_memory(cases)
     print(f"compiled temp MiB, MLP {FEATURES}-{WIDTH}-{WIDTH}-10, AdamW, global batch {batch_size}")

@@ -272,7 +272,7 @@ def test_microbatches_smoke(tmp_path):
 
 def test_microbatches_memory_smoke(tmp_path):
   result = microbatches.main(["--memory", "--quick", "--batch", "64", "--out-dir", str(tmp_path)])
-  assert set(result["rows"]) == {"k=2 micro=32", "k=4 micro=16", "k=4 micro=64"}
+  assert set(result["rows"]) == {"k=2 micro=32", "k=4 micro=16"}
   mib = [value for row in result["rows"].values() for key, value in row.items() if "MiB" in key]
   assert all(value > 0 for value in mib)
   assert all(check["met"] for check in result["checks"]), result["checks"]
