@@ -394,3 +394,53 @@ def test_errors_keep_naming_the_fix_with_frozen_leaves():
   tx = optax.chain(optax_gsam.sam(RHO, frozen={"a": True, "b": False}), optax.adam(1e-3))
   with pytest.raises(ValueError, match=r"jax.jit\(tx.init\)"):
     optax.tree_map_params(tx, lambda p, s: s, tx.init(params), params)
+
+
+def test_linen_lora_adapters_step_as_sam_over_the_adapters_in_float64():
+  """The fine-tuning page's model: LoRA adapters over frozen Dense kernels, in Linen."""
+  nn = pytest.importorskip("flax.linen")
+  from flax import traverse_util
+
+  class LoRADense(nn.Module):
+    features: int
+    rank: int = 2
+
+    @nn.compact
+    def __call__(self, x):
+      kernel = self.param("kernel", nn.initializers.lecun_normal(), (x.shape[-1], self.features))
+      lora_a = self.param("lora_a", nn.initializers.normal(0.1), (x.shape[-1], self.rank))
+      lora_b = self.param("lora_b", nn.initializers.normal(0.1), (self.rank, self.features))
+      return x @ kernel + (x @ lora_a) @ lora_b
+
+  class Model(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return LoRADense(3)(jnp.tanh(LoRADense(8)(x)))
+
+  def labels(params):
+    return traverse_util.path_aware_map(
+      lambda path, _: "trained" if path[-1].startswith("lora") else "frozen", params
+    )
+
+  with jax.enable_x64(True):
+    x = jnp.linspace(-1.0, 1.0, 24, dtype=jnp.float64).reshape(6, 4)
+    y = jnp.cos(jnp.arange(18.0)).reshape(6, 3)
+    model = Model()
+    params = model.init(jax.random.key(0), x)["params"]
+    params = jax.tree.map(lambda p: p.astype(jnp.float64), params)
+    loss = lambda p: jnp.mean((model.apply({"params": p}, x) - y) ** 2)
+    tx = optax.chain(
+      optax_gsam.sam(RHO, frozen=optax_gsam.frozen_leaves(TRANSFORMS, labels)),
+      optax.partition(TRANSFORMS, labels),
+    )
+    updates, _ = tx.update(jax.grad(loss)(params), tx.init(params), params, loss_fn=loss)
+    flat = traverse_util.flatten_dict(params)
+    adapters = {k: v for k, v in flat.items() if k[-1].startswith("lora")}
+    of_adapters = lambda a: loss(traverse_util.unflatten_dict({**flat, **a}))
+    g = jax.grad(of_adapters)(adapters)
+    norm = jnp.sqrt(sum(jnp.sum(v**2) for v in g.values()))
+    g_p = jax.grad(of_adapters)({k: v + RHO * g[k] / (norm + 1e-12) for k, v in adapters.items()})
+    moved = traverse_util.flatten_dict(updates)
+    for key, value in moved.items():
+      want = -LR * g_p[key] if key in adapters else jnp.zeros_like(value)
+      np.testing.assert_allclose(value, want, rtol=1e-12, atol=1e-15)
