@@ -26,6 +26,9 @@ import models
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"  # on sys.path (pyproject.toml)
 
+# Not in the README's suite: `python -m pytest -m benchmarks` (.ci/run runs them as a step).
+pytestmark = pytest.mark.benchmarks
+
 
 def test_step_cost_smoke(tmp_path):
   argv = ["--smoke", "--models", "resnet-small", "--contenders", "gsam", "optax.contrib.sam"]
