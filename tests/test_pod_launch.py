@@ -49,6 +49,7 @@ def test_params_and_optimizer_state_can_be_donated():
     assert not shared, f"leaves that share a buffer (cannot be donated): {shared}"
 
 
+@pytest.mark.benchmarks  # runs a benchmark script end to end: .ci/run's own step
 def test_pod_launch_as_two_processes_prints_the_losses_of_one(tmp_path):
   """The documented 2 x 4 command (docs/distributed.md) against the 1 x 8 run in this process."""
   # No encoder blocks: the pod path is the point here, and a block triples compile time.
@@ -123,6 +124,7 @@ def test_pod_launch_rejects_flags_that_would_train_every_host_alone(capsys, monk
   assert parse_args(["--multihost", "--coordinator", "h:1", "--process-id", "1"]).process_id == 1
 
 
+@pytest.mark.benchmarks  # runs a benchmark script end to end: .ci/run's own step
 def test_collective_counts_per_device_vs_synchronized(tmp_path):
   result = load("distributed").main(
     [
