@@ -172,50 +172,32 @@ def with_frozen(
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def _perturbed(mask: Any, params: optax.Params) -> Any:
-  """A bool at every leaf of ``params``: whether ``mask`` lets the transform perturb it."""
-  selected = resolve_mask(mask, params)
-  return jax.tree.map(lambda _: True, params) if selected is None else _expanded(selected, params)
-
-
 def _check_mask_trains_something(mask: Any, flags: Any, params: optax.Params) -> None:
   if mask is None:
     return
-  perturbed = _perturbed(mask, params)
-  if not any(p and not f for p, f in zip(_flat(perturbed), _flat(flags), strict=True)):
+  perturbed = _expanded(resolve_mask(mask, params), params)
+  pairs = zip(jax.tree.leaves(perturbed), jax.tree.leaves(flags), strict=True)
+  if not any(selected and not frozen for selected, frozen in pairs):
     raise ValueError(
       "Every leaf that mask selects is frozen: nothing would be perturbed. Select trained "
       "leaves with mask=, or use the base optimizer."
     )
 
 
-def _flat(flags: Any) -> list[bool]:
-  return jax.tree.leaves(flags)
-
-
 # --- frozen_leaves: the frozen leaves of an optax.partition, from its own arguments ---------
 
 
-def _zeroes_updates(tx: Any) -> bool:
-  """Whether ``tx`` is ``optax.set_to_zero()`` (behind optax's extra-args wrapper or not), or
-  a chain whose last stage is."""
-  update = getattr(tx, "update", None)
-  if update is None:
-    return False
+def _zeroes(update: Any) -> bool:
+  """Whether ``update`` is ``optax.set_to_zero()``'s (behind optax's extra-args wrapper or not),
+  or a chain's whose last stage's is."""
   update = placement.unwrapped_update(update)
   code = getattr(update, "__code__", None)
   if code is None or placement.OPTAX_DIR not in code.co_filename:
     return False
   if code.co_qualname == "set_to_zero.<locals>.update_fn":
     return True
-  stages = _chain_updates(update)
-  return stages is not None and bool(stages) and _zeroes_updates(_Stage(stages[-1]))
-
-
-class _Stage(NamedTuple):
-  """A stage of a chain, known by its update function only."""
-
-  update: Callable
+  stages = _chain_updates(update) or []
+  return bool(stages) and _zeroes(stages[-1])
 
 
 def _chain_updates(update: Any) -> list[Callable] | None:
@@ -226,15 +208,14 @@ def _chain_updates(update: Any) -> list[Callable] | None:
     "named_chain.<locals>.update_fn",
   ):
     return None
-  cells = dict(zip(code.co_freevars, update.__closure__ or (), strict=False))
-  value = lambda name: cells[name].cell_contents if name in cells else None
-  return list(value("update_fns") or [tx.update for _, tx in value("transforms") or ()])
+  values = placement.closure_values(update)
+  return list(values.get("update_fns") or [tx.update for _, tx in values.get("transforms") or ()])
 
 
 def _labels_frozen(transforms: Mapping[Any, Any], param_labels: Any, params: Any) -> Any:
   """A bool at every leaf of ``params``: whether its label's transform is set_to_zero()."""
   labels = param_labels(params) if callable(param_labels) else param_labels
-  zero = {label for label, tx in transforms.items() if _zeroes_updates(tx)}
+  zero = {label for label, tx in transforms.items() if _zeroes(getattr(tx, "update", None))}
   return _expanded(jax.tree.map(lambda label: label in zero, labels), params)
 
 
@@ -288,7 +269,7 @@ def frozen_leaves(
     >>> float(jnp.abs(updates["base"]).max())
     0.0
   """
-  if not any(_zeroes_updates(tx) for tx in transforms.values()):
+  if not any(_zeroes(getattr(tx, "update", None)) for tx in transforms.values()):
     raise ValueError(
       f"No transformation among the labels {sorted(map(str, transforms))} is "
       "optax.set_to_zero(), so nothing is frozen. Map the frozen labels to "
@@ -316,26 +297,25 @@ def _frozen_by(update: Any, params: optax.Params) -> Any:
   code = getattr(update, "__code__", None)
   if code is None or placement.OPTAX_DIR not in code.co_filename:
     return None
-  cells = dict(zip(code.co_freevars, update.__closure__ or (), strict=False))
-
-  def value(name: str) -> Any:
-    return cells[name].cell_contents if name in cells else None
-
+  value = placement.closure_values(update).get
   if code.co_qualname == "partition.<locals>.update_fn":
     transforms, labels = value("transforms"), value("param_labels")
     if isinstance(transforms, Mapping):
       return _labels_frozen(transforms, labels, params)
-  elif code.co_qualname == "masked.<locals>.update_fn" and _zeroes_updates(value("inner")):
-    mask = value("mask")
+  elif code.co_qualname == "masked.<locals>.update_fn" and _zeroes(
+    getattr(value("inner"), "update", None)
+  ):
+    mask: Any = value("mask")
     return _expanded(mask(params) if is_function(mask) else mask, params)
   elif (fns := _chain_updates(update)) is not None:
-    if fns and _zeroes_updates(_Stage(fns[-1])):
+    if fns and _zeroes(fns[-1]):
       return jax.tree.map(lambda _: True, params)
-    return _any_of([_frozen_by(fn, params) for fn in fns], params)
+    return _any_of([_frozen_by(fn, params) for fn in fns])
   return None
 
 
-def _any_of(trees: list[Any], params: optax.Params) -> Any:
+def _any_of(trees: list[Any]) -> Any:
+  """Leafwise or of the bool trees that are not None; None if all are."""
   found = [tree for tree in trees if tree is not None]
   if not found:
     return None
@@ -363,7 +343,7 @@ def warn_if_frozen_later(name: str, frozen: FrozenOrFn, mask: Any, params: optax
   if mask is not None:
     return
   try:
-    later = _any_of([_frozen_by(fn, params) for fn in _later_stages()], params)
+    later = _any_of([_frozen_by(fn, params) for fn in _later_stages()])
   except Exception:  # a label function of the user's that fails here: no warning, no error
     return
   if later is None:
@@ -374,7 +354,7 @@ def warn_if_frozen_later(name: str, frozen: FrozenOrFn, mask: Any, params: optax
   paths = [
     jax.tree_util.keystr(path)
     for (path, late), told in zip(
-      jax.tree_util.tree_leaves_with_path(later), _flat(trained), strict=True
+      jax.tree_util.tree_leaves_with_path(later), jax.tree.leaves(trained), strict=True
     )
     if late and not told
   ]

@@ -109,14 +109,21 @@ def passthrough(
 _PASSTHROUGH_CODE = passthrough(optax.identity()).update.__code__
 
 
+def closure_values(fn: Callable) -> dict[str, Any]:
+  """The variables ``fn`` closes over, by name (an optax combinator's arguments)."""
+  code = getattr(fn, "__code__", None)
+  if code is None:
+    return {}
+  cells = zip(code.co_freevars, getattr(fn, "__closure__", None) or (), strict=False)
+  return {name: cell.cell_contents for name, cell in cells}
+
+
 def unwrapped_update(fn: Callable) -> Callable:
   """The update function that ``optax.with_extra_args_support`` wraps, or ``fn`` itself."""
   code = getattr(fn, "__code__", None)
   if code is None or code.co_qualname != "with_extra_args_support.<locals>.update":
     return fn
-  cells = dict(zip(code.co_freevars, fn.__closure__ or (), strict=False))
-  inner = cells["tx"].cell_contents if "tx" in cells else None
-  return getattr(inner, "update", fn)
+  return getattr(closure_values(fn).get("tx"), "update", fn)
 
 
 def _leaves_gradient_unchanged(fn: Callable) -> bool:
