@@ -1,45 +1,46 @@
-"""A 1B-parameter decoder with FSDP-sharded params, compiled by the TPU compiler for a v4-64.
+"""FSDP-sharded models compiled by the TPU compiler for a v4-64: a 1B decoder and a residual MLP.
 
 With libtpu installed (``pip install -e ".[tpu-compile]"``), JAX compiles ahead of time for a
 described TPU topology (``jax.experimental.topologies.get_topology_desc``) with no TPU
-attached. This script builds ``tpu_decoder.py``'s decoder-only transformer (width 2048, 18
-scanned and rematerialized blocks, MLP 8192, vocabulary 32768, 512 tokens: 1.04B parameters)
-and shards every parameter, and every optimizer-state leaf of a parameter's shape, over the
-64-core ``data`` axis of a v4-64 (``v4:4x4x2``, one device per TensorCore) along its largest
-dimension that 64 divides (FSDP); the batch (4 sequences per core) is sharded over the same
-axis. Each step is ``jax.jit`` over the sharded arrays in Auto axes (no ``shard_map``, no
-``axis_name``), params and optimizer state donated, outputs laid out as the inputs. Two
-precisions: ``f32`` and ``bf16``, mixed precision as large-model trainers run it (float32
-params, gradients and optimizer state, bfloat16 matmuls and activations).
+attached. Two models: ``tpu_decoder.py``'s decoder-only transformer (width 2048, 18 scanned and
+rematerialized blocks, MLP 8192, vocabulary 32768, 512 tokens: 1.04B parameters; 4 sequences
+per core) and, with ``--model mlp``, ``tpu_mlp.py``'s residual MLP (16 unrolled blocks of two
+4096 x 4096 matrices, no remat: 537M parameters; 64 rows per core). Every parameter, and every
+optimizer-state leaf of a parameter's shape, is sharded over the 64-core ``data`` axis of a
+v4-64 (``v4:4x4x2``, one device per TensorCore) along its largest dimension that 64 divides
+(FSDP); the batch is sharded over the same axis. Each step is ``jax.jit`` over the sharded
+arrays in Auto axes (no ``shard_map``, no ``axis_name``), params and optimizer state donated,
+outputs laid out as the inputs. Two precisions: ``f32`` and ``bf16``, mixed precision as
+large-model trainers run it (float32 params, gradients and optimizer state, bfloat16 matmuls
+and activations).
 
 Per core, from the compiled program (``compiled_hlo.analyse``): peak memory (argument +
 output - alias + temp + generated code), FLOPs, collectives by kind (count and bytes), and
 the seconds to lower and to compile.
 
-Rows (AdamW after every sharpness-aware transform): ``adamw``, ``gsam``, ``sam``,
-``optax.contrib.sam``, ``momentum_sam``, ``gsam mb=4`` (``microbatches=4``, the transform
-takes the clean gradient too), ``gsam every-5`` (``policy=every_k_policy(5)``, the
-``lax.cond`` program), and the references for the memory analysis: ``plain gsam`` and
-``plain sam`` (the steps written from the formulas in this file). Not run by default: ``gsam
-perturb=True`` and the memory experiments (``EXPERIMENTS``: the gradients laid out as the
-params by the user's step or by a monkeypatched ``optax_gsam._src.step.replicated_update``,
-with or without an ``optimization_barrier``; see ``patched_gsam``).
+Rows (AdamW after every sharpness-aware transform): ``adamw``, ``gsam``, ``sam``, ``sam
+diagnostics=False``, ``optax.contrib.sam``, ``momentum_sam``, ``gsam mb=4`` (``microbatches=4``,
+the transform takes the clean gradient too) against ``adamw mb=4`` (AdamW's gradient
+accumulated over the same 4 micro-batches in a ``lax.scan``), ``gsam every-5``
+(``policy=every_k_policy(5)``, the ``lax.cond`` program) and ``gsam every-5 static`` (its full
+step, ``perturb=True``), and the steps written from the formulas in this file, ``plain gsam``
+and ``plain sam``. Not run by default: ``gsam perturb=True``.
 
     python benchmarks/tpu_sharded.py                 # v4-64, 1B decoder, f32 and bf16
+    python benchmarks/tpu_sharded.py --model mlp     # v4-64, 537M residual MLP
     python benchmarks/tpu_sharded.py --quick         # tiny decoder on a v4-8, about a minute
     python benchmarks/tpu_sharded.py --contenders adamw gsam --dtypes bf16 --append
     python benchmarks/tpu_sharded.py --report        # the table and targets again, no compiling
     python benchmarks/tpu_sharded.py --dtypes f32 --contenders gsam --dump /tmp/dump  # then
     python benchmarks/tpu_buffers.py /tmp/dump/f32-gsam  # what is live at the peak
 
-Writes ``benchmarks/results/tpu_sharded.json`` (``tpu_sharded_quick.json`` with ``--quick``;
-the memory experiments were written with ``--out benchmarks/results/tpu_sharded_memory.json``).
+Writes ``benchmarks/results/tpu_sharded.json`` (``tpu_sharded_mlp.json`` with ``--model mlp``,
+``tpu_sharded_quick.json`` with ``--quick``).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import os
@@ -57,6 +58,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import tpu_mlp
 from baselines import contrib_sam
 from compiled_hlo import analyse  # the benchmarks folder is on sys.path when a script runs
 from jax.sharding import NamedSharding
@@ -66,9 +68,11 @@ from reporting import render_table
 from tpu_decoder import DECODER_1B
 from tpu_decoder import DECODER_QUICK
 from tpu_decoder import Decoder
-from tpu_decoder import DecoderConfig
 from tpu_decoder import next_token_loss
 from tpu_decoder import param_count
+from tpu_mlp import MLP_537M
+from tpu_mlp import MLP_QUICK
+from tpu_mlp import MLPConfig
 
 import optax_gsam
 
@@ -113,57 +117,38 @@ CONTENDERS = {
   "optax.contrib.sam": (lambda base: contrib_sam(base, RHO), "grad_fn", None),
   "momentum_sam": (_chain(optax_gsam.momentum_sam(RHO)), "closed", None),
   "gsam mb=4": (_chain(optax_gsam.gsam(RHO, ALPHA, microbatches=4)), "batch", None),
+  "adamw mb=4": (lambda base: base, "base mb=4", None),
   "gsam every-5": (
     _chain(optax_gsam.gsam(RHO, ALPHA, policy=optax_gsam.every_k_policy(5))),
     "loss_fn",
     None,
   ),
+  "gsam every-5 static": (
+    _chain(optax_gsam.gsam(RHO, ALPHA, policy=optax_gsam.every_k_policy(5))),
+    "loss_fn",
+    True,
+  ),
+  "sam diagnostics=False": (_chain(optax_gsam.sam(RHO, diagnostics=False)), "loss_fn", None),
   "gsam perturb=True": (_chain(optax_gsam.gsam(RHO, ALPHA)), "loss_fn", True),
   "plain gsam": (lambda base: base, "plain", None),
   "plain sam": (lambda base: base, "plain sam", None),
-  # The memory experiments: the gradients laid out as the params (see EXPERIMENTS).
-  "adamw, grads laid out": (lambda base: base, "base laid out", None),
-  "gsam, clean grads laid out": (_chain(optax_gsam.gsam(RHO, ALPHA)), "loss_fn laid out", None),
-  "gsam, patched: both grads laid out": (_chain(optax_gsam.gsam(RHO, ALPHA)), "loss_fn", None),
-  "gsam, patched: both grads shard_alike": (_chain(optax_gsam.gsam(RHO, ALPHA)), "loss_fn", None),
-  "gsam, patched: clean grads laid out, barrier": (
-    _chain(optax_gsam.gsam(RHO, ALPHA)),
-    "loss_fn",
-    None,
-  ),
-  "gsam, patched: clean grads shard_alike, barrier": (
-    _chain(optax_gsam.gsam(RHO, ALPHA)),
-    "loss_fn",
-    None,
-  ),
-  "gsam every-5, patched: clean grads shard_alike, barrier": (
-    _chain(optax_gsam.gsam(RHO, ALPHA, policy=optax_gsam.every_k_policy(5))),
-    "loss_fn",
-    None,
-  ),
-  "gsam, patched: clean grads shard_alike, barrier, one-pass stats": (
-    _chain(optax_gsam.gsam(RHO, ALPHA)),
-    "loss_fn",
-    None,
-  ),
-  "sam, patched: clean grads shard_alike, barrier": (_chain(optax_gsam.sam(RHO)), "loss_fn", None),
 }
-EXPERIMENTS = tuple(name for name in CONTENDERS if "laid out" in name or "patched" in name)
 MAIN_CONTENDERS = tuple(list(CONTENDERS)[:7])
-FULL_ORDER = ("adamw", "gsam", "optax.contrib.sam", "sam", "plain gsam", "momentum_sam",
-              "gsam mb=4", "gsam every-5", "plain sam")  # fmt: skip
+FULL_ORDER = ("adamw", "gsam", "optax.contrib.sam", "sam", "sam diagnostics=False", "plain gsam",
+              "momentum_sam", "gsam mb=4", "adamw mb=4", "gsam every-5", "gsam every-5 static",
+              "plain sam")  # fmt: skip
 
 
-def make_step(name: str, loss_of, layout=lambda tree: tree):
-  """(tx, step(params, opt_state, tokens) -> (params, opt_state)); ``loss_of(params, tokens)``.
-
-  ``layout(tree)`` constrains a params-shaped tree to the params' shardings (``laid out``)."""
+def make_step(name: str, loss_of):
+  """(tx, step(params, opt_state, tokens) -> (params, opt_state)); ``loss_of(params, tokens)``."""
   make, protocol, perturb = CONTENDERS[name]
   tx = make(optax.adamw(LR, weight_decay=WEIGHT_DECAY))
 
   def step(params, opt_state, tokens):
     closed = lambda p: loss_of(p, tokens)
-    if protocol == "batch":
+    if protocol == "base mb=4":  # the clean gradient accumulated in a lax.scan, as AdamW's users do
+      updates, opt_state = tx.update(_scanned_grad(loss_of, params, tokens, 4), opt_state, params)
+    elif protocol == "batch":
       updates, opt_state = tx.update(None, opt_state, params, loss_fn=loss_of, batch=tokens)
     elif protocol == "closed":
       updates, opt_state = tx.update(None, opt_state, params, loss_fn=closed)
@@ -173,7 +158,6 @@ def make_step(name: str, loss_of, layout=lambda tree: tree):
       updates, opt_state = tx.update(grads, opt_state, params, grad_fn=grad_fn)
     else:
       loss, grads = jax.value_and_grad(closed)(params)
-      grads = layout(grads) if protocol.endswith(" laid out") else grads
       kwargs = {}
       if protocol.startswith("loss_fn"):
         kwargs = {"loss_fn": closed, "value": loss}
@@ -184,6 +168,17 @@ def make_step(name: str, loss_of, layout=lambda tree: tree):
     return optax.apply_updates(params, updates), opt_state
 
   return tx, step
+
+
+def _scanned_grad(loss_of, params, batch, num_microbatches: int):
+  """The mean gradient over ``num_microbatches`` equal row blocks of ``batch``, in a ``lax.scan``."""
+  pieces = batch.reshape(num_microbatches, -1, *batch.shape[1:])
+
+  def body(total, piece):
+    return jax.tree.map(jnp.add, total, jax.grad(loss_of)(params, piece)), None
+
+  total, _ = jax.lax.scan(body, jax.tree.map(jnp.zeros_like, params), pieces)
+  return jax.tree.map(lambda g: g / num_microbatches, total)
 
 
 # ----------------------------------------------------------------------------- compiling
@@ -224,90 +219,45 @@ def fsdp_specs(tree, mesh):
   )
 
 
-def build(mesh, config: DecoderConfig, dtype, name: str, per_core: int):
+def problem(config, dtype, constrain, rows: int):
+  """(param shapes, ``loss_of(params, batch)``, the batch's shape and dtype) of either model."""
+  if isinstance(config, MLPConfig):
+    params = jax.eval_shape(lambda: tpu_mlp.init(config, jax.random.key(0)))
+    loss_of = lambda p, inputs: tpu_mlp.loss(p, constrain(inputs), dtype, constrain)
+    return params, loss_of, ((rows, config.width), jnp.float32)
+  model = Decoder(config, dtype, constrain)
+  tokens = jnp.zeros((1, config.seq), jnp.int32)
+  params = jax.eval_shape(lambda: model.init(jax.random.key(0), tokens)["params"])
+  loss_of = lambda p, tokens: next_token_loss(model, p, constrain(tokens))
+  return params, loss_of, ((rows, config.seq), jnp.int32)
+
+
+def build(mesh, config, dtype, name: str, per_core: int):
   """(jitted step, its argument specs, param count) of one contender on ``mesh``."""
   batch_sharding = NamedSharding(mesh, P(AXIS))
   constrain = lambda x: jax.lax.with_sharding_constraint(x, batch_sharding)
-  model = Decoder(config, dtype, constrain)
-  loss_of = lambda p, tokens: next_token_loss(model, p, constrain(tokens))
-  tokens = jnp.zeros((1, config.seq), jnp.int32)
-  params = jax.eval_shape(lambda: model.init(jax.random.key(0), tokens)["params"])
+  params, loss_of, (batch_shape, batch_dtype) = problem(
+    config, dtype, constrain, per_core * mesh.size
+  )
   params = fsdp_specs(params, mesh)
   shardings = lambda tree: jax.tree.map(lambda s: s.sharding, tree)
-  layout = lambda tree: jax.lax.with_sharding_constraint(tree, shardings(params))
-  tx, step = make_step(name, loss_of, layout)
+  tx, step = make_step(name, loss_of)
   opt_state = fsdp_specs(jax.eval_shape(tx.init, params), mesh)
-  batch = jax.ShapeDtypeStruct(
-    (per_core * mesh.size, config.seq), jnp.int32, sharding=batch_sharding
-  )
+  batch = jax.ShapeDtypeStruct(batch_shape, batch_dtype, sharding=batch_sharding)
   jitted = jax.jit(
     step,
     in_shardings=(shardings(params), shardings(opt_state), batch_sharding),
     out_shardings=(shardings(params), shardings(opt_state)),
     donate_argnums=(0, 1),
   )
-  return jitted, (params, opt_state, batch), param_count(params), layout
-
-
-@contextlib.contextmanager
-def patched_gsam(name: str, layout):
-  """For the ``patched`` experiments, optax_gsam's ``step.replicated_update`` with the clean
-  gradient (``both``: and the perturbed one, ``grad_fn``'s) laid out as the params: by
-  ``layout`` (``with_sharding_constraint`` to the params' shardings) or by ``shard_alike(g,
-  params)``; ``barrier``: the laid-out clean gradient behind an ``optimization_barrier``, so
-  that its shards are materialized before the perturbed pass."""
-  if "patched" not in name:
-    yield
-    return
-  from jax.experimental.shard_alike import shard_alike
-
-  from optax_gsam._src import step as gsam_step
-
-  if "shard_alike" in name:
-    layout_of = lambda tree, params: jax.tree.map(lambda g, p: shard_alike(g, p)[0], tree, params)
-  else:
-    layout_of = lambda tree, params: layout(tree)
-  original = gsam_step.replicated_update
-
-  def replicated_update(context, updates, params, grad_fn, clean_loss, perturb):
-    def laid_out(p):
-      value, grads = grad_fn(p)
-      return value, layout_of(grads, params)
-
-    updates = layout_of(updates, params)
-    if "barrier" in name:
-      updates = jax.lax.optimization_barrier(updates)
-    grad_fn = laid_out if "both" in name else grad_fn
-    return original(context, updates, params, grad_fn, clean_loss, perturb)
-
-  gsam_step.replicated_update = replicated_update
-  stats = gsam_step.pert.gradient_stats
-  if "one-pass stats" in name:
-    gsam_step.pert.gradient_stats = _one_pass_stats
-  try:
-    yield
-  finally:
-    gsam_step.replicated_update = original
-    gsam_step.pert.gradient_stats = stats
-
-
-def _one_pass_stats(a, b):
-  """``gradient_stats`` without the power-of-two scaling: plain float32 sums of products, which
-  need no global max of either tree first (overflow-prone at extreme scales)."""
-  dot = lambda x, y: sum(
-    jnp.vdot(p.astype(jnp.float32), q.astype(jnp.float32))
-    for p, q in zip(jax.tree.leaves(x), jax.tree.leaves(y), strict=True)
-  )
-  norm_a, norm_b = jnp.sqrt(dot(a, a)), jnp.sqrt(dot(b, b))
-  cosine = dot(a, b) / jnp.maximum(norm_a * norm_b, 1e-30)
-  return optax_gsam.GradientStats(norm_a, norm_b, cosine)
+  return jitted, (params, opt_state, batch), param_count(params)
 
 
 def compile_row(mesh, config, dtype: str, name: str, per_core: int) -> tuple[dict, object]:
   """Lowers and compiles one contender; its row of figures and the compiled program."""
-  jitted, args, n_params, layout = build(mesh, config, DTYPES[dtype], name, per_core)
+  jitted, args, n_params = build(mesh, config, DTYPES[dtype], name, per_core)
   start = time.perf_counter()
-  with jax.set_mesh(mesh), patched_gsam(name, layout):
+  with jax.set_mesh(mesh):
     lowered = jitted.lower(*args)
   trace_s = time.perf_counter() - start
   start, cpu = time.perf_counter(), time.process_time()
@@ -371,18 +321,41 @@ def _all_reduce_bytes(row) -> int:
   return row["collectives"].get("all-reduce", {}).get("bytes", 0)
 
 
+def _peak_within(step: str, reference: str, shards: int) -> tuple:
+  """The target ``step``'s peak <= ``reference``'s + ``shards`` param shards."""
+  return (
+    f"{step} peak bytes <= {reference}'s + {shards} param shards", (step, reference),
+    lambda by: by[step]["peak_bytes"],
+    lambda by: by[reference]["peak_bytes"] + shards * by[step]["param_bytes_per_core"],
+  )  # fmt: skip
+
+
+def _all_reduces_within(step: str, more: int) -> tuple:
+  """The target ``step``'s all-reduce count <= optax.contrib.sam's + ``more``."""
+  count = lambda row: row["collectives"].get("all-reduce", {}).get("count", 0)
+  return (
+    f"{step} all-reduces <= optax.contrib.sam's + {more}", (step, "optax.contrib.sam"),
+    lambda by: count(by[step]), lambda by: count(by["optax.contrib.sam"]) + more,
+  )  # fmt: skip
+
+
 # (what, the rows it reads, value(by), limit(by)) with ``by`` a dtype's rows by contender.
 TARGETS = (
-  ("gsam peak bytes <= adamw's + 2 param shards", ("gsam", "adamw"),
-   lambda by: by["gsam"]["peak_bytes"],
-   lambda by: by["adamw"]["peak_bytes"] + 2 * by["gsam"]["param_bytes_per_core"]),
-  ("gsam peak bytes <= optax.contrib.sam's", ("gsam", "optax.contrib.sam"),
-   lambda by: by["gsam"]["peak_bytes"], lambda by: by["optax.contrib.sam"]["peak_bytes"]),
+  _peak_within("gsam", "adamw", 2),
+  _peak_within("sam", "adamw", 2),
+  _peak_within("sam diagnostics=False", "adamw", 1),
+  _peak_within("sam diagnostics=False", "optax.contrib.sam", 0),
+  _peak_within("momentum_sam", "adamw", 2),
+  _peak_within("gsam every-5", "adamw", 3),
+  _peak_within("gsam every-5 static", "adamw", 3),
+  _peak_within("gsam mb=4", "adamw mb=4", 2),
   ("gsam flops / adamw's <= 2.01", ("gsam", "adamw"),
    lambda by: by["gsam"]["flops"] / by["adamw"]["flops"], lambda by: 2.01),
   ("gsam all-reduce bytes <= optax.contrib.sam's + 1 KiB", ("gsam", "optax.contrib.sam"),
    lambda by: _all_reduce_bytes(by["gsam"]),
    lambda by: _all_reduce_bytes(by["optax.contrib.sam"]) + 1024),
+  _all_reduces_within("gsam", 2),
+  _all_reduces_within("sam", 2),
   ("gsam compile CPU s / optax.contrib.sam's <= 1.2", ("gsam", "optax.contrib.sam"),
    lambda by: by["gsam"]["compile_cpu_s"] / by["optax.contrib.sam"]["compile_cpu_s"],
    lambda by: 1.2),
@@ -410,9 +383,15 @@ def targets(rows: list[dict]) -> list[dict]:
 
 def parse_args(argv):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--quick", action="store_true", help="tiny decoder on a v4-8, seconds")
+  parser.add_argument("--quick", action="store_true", help="tiny model on a v4-8, seconds")
+  parser.add_argument(
+    "--model", choices=("decoder", "mlp"), default="decoder",
+    help="the 1.04B scanned decoder or the 537M residual MLP (tpu_mlp.py)",
+  )  # fmt: skip
   parser.add_argument("--topology", choices=list(TOPOLOGIES), default=None)
-  parser.add_argument("--per-core-batch", type=int, default=4)
+  parser.add_argument(
+    "--per-core-batch", type=int, default=None, help="default: 4 sequences, or 64 rows (mlp)"
+  )
   parser.add_argument("--depth", type=int, default=None, help="blocks (default: the config's)")
   parser.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=None)
   parser.add_argument("--contenders", nargs="+", choices=list(CONTENDERS), default=None)
@@ -427,12 +406,15 @@ def parse_args(argv):
   )
   args = parser.parse_args(argv)
   args.topology = args.topology or ("v4-8" if args.quick else "v4-64")
-  args.config = DECODER_QUICK if args.quick else DECODER_1B
+  configs = {"decoder": (DECODER_1B, DECODER_QUICK), "mlp": (MLP_537M, MLP_QUICK)}
+  args.config = configs[args.model][args.quick]
   if args.depth:
     args.config = dataclasses.replace(args.config, depth=args.depth)
+  args.per_core_batch = args.per_core_batch or (64 if args.model == "mlp" else 4)
   args.dtypes = args.dtypes or list(DTYPES)
   args.contenders = args.contenders or list(MAIN_CONTENDERS if args.quick else FULL_ORDER)
-  args.out = args.out or RESULTS / ("tpu_sharded" + ("_quick" if args.quick else "") + ".json")
+  stem = "tpu_sharded" + ("_mlp" if args.model == "mlp" else "") + ("_quick" if args.quick else "")
+  args.out = args.out or RESULTS / (stem + ".json")
   return args
 
 
@@ -487,7 +469,7 @@ def main(argv: list[str] | None = None) -> dict:
     "libtpu": _libtpu_version(),
     "topology": args.topology,
     "cores": mesh.size,
-    "model": dataclasses.asdict(args.config),
+    "model": {"name": args.model, **dataclasses.asdict(args.config)},
     "per_core_batch": args.per_core_batch,
     "layout": "FSDP: params, optimizer state and batch sharded over one 'data' axis (Auto)",
     "precision": {"f32": "float32 throughout", "bf16": "float32 params, bfloat16 compute"},

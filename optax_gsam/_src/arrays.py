@@ -172,3 +172,33 @@ def mark_varying(x: Any, axes: Hashable | tuple[Hashable, ...] | frozenset) -> j
     axes = (axes,)
   missing = tuple(sorted(set(axes) - varying_axes(x), key=str))
   return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+def materialized_on_tpu(tree: Any) -> Any:
+  """``tree`` behind an optimization barrier when compiled for TPU; as it is elsewhere.
+
+  What the perturbed pass must not overlap (the clean gradient, its loss and the params) passes
+  the barrier together: then the TPU compiler finishes the clean pass, reductions and losses
+  included, before it forms the perturbed weights, instead of deferring work that holds
+  activations or whole gradients across the perturbed pass. XLA's CPU compiler lowers the
+  barrier before it fuses, so there it only reorders the step and packs its buffers worse;
+  other backends are not measured and are left as they are. benchmarks/tpu_sharded.py and
+  benchmarks/tpu_compile.py measure the TPU side.
+  """
+  return jax.lax.platform_dependent(tree, tpu=jax.lax.optimization_barrier, default=lambda t: t)
+
+
+def all_finite(tree: Any) -> jax.Array:
+  """Whether every entry of ``tree`` is finite, as one sum per leaf.
+
+  ``x * 0`` is 0 for a finite entry and NaN for an infinite or NaN one, and a sum
+  of zeros cannot overflow, so the sum is finite exactly when every entry is.
+  Unlike ``jnp.all(jnp.isfinite(x))``, which XLA's CPU compiler materializes as
+  a boolean array (a quarter of a float32 parameter buffer) before reducing it,
+  the product fuses into the sum. (A maximum of ``|x|`` would not do: the CPU's
+  vectorized maximum drops NaNs.)
+  """
+  leaves = jax.tree.leaves(tree)
+  if not leaves:
+    return jnp.asarray(True)
+  return jnp.all(jnp.stack([jnp.isfinite(jnp.sum(x * 0)) for x in leaves]))

@@ -12,6 +12,7 @@ import optax
 
 from optax_gsam._src import perturbation as pert
 from optax_gsam._src import step
+from optax_gsam._src.arrays import all_finite
 from optax_gsam._src.arrays import conform
 from optax_gsam._src.arrays import numbers_as_arrays
 from optax_gsam._src.arrays import zeros_accumulator
@@ -111,7 +112,7 @@ def _checked_params(params: optax.Params) -> optax.Params:
 
 def _next_state(state, grads, loss, rho_t, rho_ok, momentum) -> MomentumSAMState:
   """A non-finite gradient does not count and leaves the momentum as it was."""
-  finite = step.all_finite(grads)
+  finite = all_finite(grads)
   momentum_next = jax.tree.map(
     lambda v, g: jnp.where(finite, momentum * v + g, v),
     state.momentum,

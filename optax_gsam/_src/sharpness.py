@@ -21,6 +21,7 @@ import optax
 
 from optax_gsam._src import microbatch_state as micro
 from optax_gsam._src import step
+from optax_gsam._src.arrays import all_finite
 from optax_gsam._src.arrays import numbers_as_arrays
 from optax_gsam._src.ascent_checks import check_direction
 from optax_gsam._src.frozen import check_frozen
@@ -171,7 +172,7 @@ def _run_stages(context, updates, params, grad_fn, clean_loss, perturb, inputs):
   if settings.microbatches is not None:  # Whole-batch semantics, one micro-batch live.
     grad_fn = micro.whole_batch_grad_fn(grad_fn, inputs, settings.microbatches, settings.axis_name)
     if updates is None:
-      clean_loss, updates = _materialized_on_tpu(grad_fn(params))
+      clean_loss, updates = grad_fn(params)
       accumulating = 1
   outcome, policy_state = step.replicated_update(
     context, updates, params, grad_fn, clean_loss, perturb
@@ -186,23 +187,10 @@ def _checked_before_use(gradient: optax.Updates) -> tuple[optax.Updates, jax.Arr
   that read the output, which then cannot write their results over it: one params-sized
   buffer more (SAM with micro-batches before SGD, tests/test_microbatches.py).
   """
-  checked = (gradient, step.all_finite(gradient))
+  checked = (gradient, all_finite(gradient))
   return jax.lax.platform_dependent(
     checked, cpu=jax.lax.optimization_barrier, default=lambda pair: pair
   )
-
-
-def _materialized_on_tpu(tree: Any) -> Any:
-  """``tree`` behind an optimization barrier when compiled for TPU; as it is elsewhere.
-
-  For the clean pass's mean over micro-batches: without the barrier, the TPU compiler folds the
-  division by k into each reader of the mean, the last after the perturbed pass, and holds two
-  params-sized buffers through that pass instead of one (ViT-B/32 on a v3-64, k = 4: 0.33 GiB
-  per core, with GSAM and SAM alike). XLA's CPU compiler lowers the barrier before it fuses, so
-  there it only reorders the step, and packs its buffers worse (tests/test_microbatches.py and
-  benchmarks/microbatches.py measure the CPU side, benchmarks/tpu_compile.py the TPU side).
-  """
-  return jax.lax.platform_dependent(tree, tpu=jax.lax.optimization_barrier, default=lambda t: t)
 
 
 def _initial_state(settings: step.Settings, params: optax.Params) -> GSAMState:

@@ -31,7 +31,9 @@ import jax.numpy as jnp
 import optax
 
 from optax_gsam._src import perturbation as pert
+from optax_gsam._src.arrays import all_finite
 from optax_gsam._src.arrays import conform
+from optax_gsam._src.arrays import materialized_on_tpu
 from optax_gsam._src.arrays import same_layout
 from optax_gsam._src.ascent import ascent_from_adaptive
 from optax_gsam._src.ascent import resolve_mask
@@ -158,22 +160,6 @@ def pmean_inexact(tree: Any, axis_name: AxisName) -> Any:
   for i, mean in zip(inexact, means, strict=True):
     leaves[i] = mean
   return jax.tree.unflatten(treedef, leaves)
-
-
-def all_finite(tree: Any) -> jax.Array:
-  """Whether every entry of ``tree`` is finite, as one sum per leaf.
-
-  ``x * 0`` is 0 for a finite entry and NaN for an infinite or NaN one, and a sum
-  of zeros cannot overflow, so the sum is finite exactly when every entry is.
-  Unlike ``jnp.all(jnp.isfinite(x))``, which XLA's CPU compiler materializes as
-  a boolean array (a quarter of a float32 parameter buffer) before reducing it,
-  the product fuses into the sum. (A maximum of ``|x|`` would not do: the CPU's
-  vectorized maximum drops NaNs.)
-  """
-  leaves = jax.tree.leaves(tree)
-  if not leaves:
-    return jnp.asarray(True)
-  return jnp.all(jnp.stack([jnp.isfinite(jnp.sum(x * 0)) for x in leaves]))
 
 
 def hyperparams_at(
@@ -485,6 +471,8 @@ def replicated_update(
   Returns the outcome and the policy's new state.
   """
   settings, hyper = context.settings, context.hyper
+  # The clean pass ends here, whole: see materialized_on_tpu.
+  updates, params, clean_loss = materialized_on_tpu((updates, params, clean_loss))
   clean_grads = pmean(updates, settings.axis_name) if settings.synchronized else updates
   signal_axis = settings.axis_name if settings.per_device else None
   due, policy_state = decide(
