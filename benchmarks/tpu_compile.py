@@ -454,7 +454,14 @@ def _probe_with_cost(mesh, config, dtype, contender, per_core) -> dict[str, Any]
       raise
     return {"batch": per_core, "compiles": False, "fits": False, **refused}
   row = analyse(compiled)
-  keys = ("peak_bytes", "temp_bytes", "argument_bytes", "flops", "bytes_accessed")
+  keys = (
+    "peak_bytes",
+    "temp_bytes",
+    "argument_bytes",
+    "generated_code_bytes",
+    "flops",
+    "bytes_accessed",
+  )
   found = {"batch": per_core, "compiles": True, **{k: row[k] for k in keys}}
   return {**found, "fits": fits(found), "param_bytes": param_bytes, "compile_s": seconds}
 

@@ -321,12 +321,17 @@ def _all_reduce_bytes(row) -> int:
   return row["collectives"].get("all-reduce", {}).get("bytes", 0)
 
 
+def _data_peak(row: dict) -> int:
+  """argument + output - alias + temp: the peak without the program's code (two passes, twice)."""
+  return row["peak_bytes"] - row["generated_code_bytes"]
+
+
 def _peak_within(step: str, reference: str, shards: int) -> tuple:
-  """The target ``step``'s peak <= ``reference``'s + ``shards`` param shards."""
+  """The target: ``step``'s data peak <= ``reference``'s + ``shards`` param shards."""
   return (
-    f"{step} peak bytes <= {reference}'s + {shards} param shards", (step, reference),
-    lambda by: by[step]["peak_bytes"],
-    lambda by: by[reference]["peak_bytes"] + shards * by[step]["param_bytes_per_core"],
+    f"{step} data peak <= {reference}'s + {shards} param shards", (step, reference),
+    lambda by: _data_peak(by[step]),
+    lambda by: _data_peak(by[reference]) + shards * by[step]["param_bytes_per_core"],
   )  # fmt: skip
 
 

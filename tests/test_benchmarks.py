@@ -12,6 +12,7 @@ import accelerator
 import flax.linen as nn
 import generalization
 import jax
+import memory_table
 import microbatches
 import numpy as np
 import optax
@@ -280,3 +281,26 @@ def test_microbatches_memory_smoke(tmp_path):
   assert all(value > 0 for value in mib)
   assert all(check["met"] for check in result["checks"]), result["checks"]
   assert (tmp_path / "microbatches_quick_memory.json").is_file()
+
+
+def test_memory_table_reads_every_recorded_model_and_judges_each_row(tmp_path, monkeypatch):
+  """The one memory table: the P over the reference is recomputed here from the raw JSON."""
+  results = Path(memory_table.__file__).parent / "results"
+  for name in ("tpu_sharded.json", "tpu_sharded_mlp.json", "tpu_compile.json",
+               "microbatches_memory.json"):  # fmt: skip
+    (tmp_path / name).write_text((results / name).read_text())
+  monkeypatch.setattr(memory_table, "RESULTS", tmp_path)
+  rows = memory_table.main()
+  assert {r["model"].split(",")[0] for r in rows} >= {
+    "FSDP decoder 1.04B", "FSDP residual MLP 537M", "ViT-B/32 replicated", "CPU MLP"
+  }  # fmt: skip
+  decoder = json.loads((results / "tpu_sharded.json").read_text())["rows"]
+  by = {(r["dtype"], r["contender"]): r for r in decoder}
+  gsam = next(r for r in rows if r["model"].startswith("FSDP decoder") and r["step"] == "gsam")
+  for dtype in ("f32", "bf16"):
+    row, base = by[dtype, "gsam"], by[dtype, "adamw"]
+    over = (row["peak_bytes"] - base["peak_bytes"]) / row["param_bytes_per_core"]
+    assert math.isclose(gsam[dtype]["over_P"], over)
+    assert gsam[dtype]["met"] == (over <= 2)
+  assert all(r["verdict"] != "not measured" for r in rows)
+  assert json.loads((tmp_path / "memory_table.json").read_text())["rows"] == rows

@@ -471,8 +471,10 @@ def replicated_update(
   Returns the outcome and the policy's new state.
   """
   settings, hyper = context.settings, context.hyper
-  # The clean pass ends here, whole: see materialized_on_tpu.
-  updates, params, clean_loss = materialized_on_tpu((updates, params, clean_loss))
+  if settings.axis_name is None or settings.microbatches is not None:
+    # The clean pass ends here, whole (materialized_on_tpu). Per device, whole-batch, the TPU
+    # compiler packs the step worse behind it (ViT-B/32 on a v3-64, bf16: +0.19 GiB).
+    updates, params, clean_loss = materialized_on_tpu((updates, params, clean_loss))
   clean_grads = pmean(updates, settings.axis_name) if settings.synchronized else updates
   signal_axis = settings.axis_name if settings.per_device else None
   due, policy_state = decide(

@@ -1,0 +1,166 @@
+"""One table of every step's memory against what its maths needs, from the recorded results.
+
+Reads the compiled-memory results the other scripts wrote (no compiling): the FSDP decoder and
+residual MLP on the v4-64 compiler (``tpu_sharded.json``, ``tpu_sharded_mlp.json``), the
+replicated ViT-B/32 on the v3-64 compiler (``tpu_compile.json``) and the CPU MLP on micro-batches
+(``microbatches_memory.json``). For each model and step: the peak of the data per core (TPU:
+argument + output - alias + temp, without the generated code, which a two-pass program doubles
+whatever it holds; CPU: temp), its excess over the reference step in ``P`` (one
+parameter buffer per core: one FSDP shard, or the whole replicated params), what the maths needs
+over that reference, and the verdict.
+
+What the maths needs, beyond the base step: the perturbed weights (1 P) and the clean gradient
+while the perturbed pass runs (1 P, for GSAM's decomposition and SAM's diagnostics); a stored
+direction (1 P) for the every-k policy. ``sam(diagnostics=False)`` and momentum SAM need only the
+perturbed weights over their own base step (momentum SAM's momentum is its base's).
+
+    python benchmarks/memory_table.py   # prints the table, writes results/memory_table.json
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+GiB = 2**30
+
+# (label, row, reference row, P the maths needs over the reference)
+TPU_STEPS = (
+  ("gsam", "gsam", "adamw", 2),
+  ("sam", "sam", "adamw", 2),
+  ("sam diagnostics=False", "sam diagnostics=False", "adamw", 1),
+  ("sam diagnostics=False", "sam diagnostics=False", "optax.contrib.sam", 0),
+  ("momentum_sam", "momentum_sam", "adamw", 2),
+  ("gsam every-5, lax.cond", "gsam every-5", "adamw", 3),
+  ("gsam every-5, static full step", "gsam every-5 static", "adamw", 3),
+  ("gsam microbatches=4", "gsam mb=4", "adamw mb=4", 2),
+  ("optax.contrib.sam (reference)", "optax.contrib.sam", "adamw", 1),
+  ("sam from the formulas (reference)", "plain sam", "adamw", 1),
+)
+VIT_STEPS = (
+  ("gsam", "gsam", "adamw", 2),
+  ("sam", "sam", "adamw", 2),
+  ("sam diagnostics=False", "sam diagnostics=False", "optax.contrib.sam", 0),
+  ("momentum_sam", "momentum_sam", "adamw", 2),
+  ("gsam every-5, lax.cond", "gsam k=5 cond", "gsam k=5 full", "1.01x"),
+  ("optax.contrib.sam (reference)", "optax.contrib.sam", "adamw", 1),
+)
+VIT_MICROBATCH_STEPS = (  # 4 micro-batches of 64 images per core, against AdamW's scan
+  ("gsam microbatches=4", "gsam mb=4", "adamw scan mb=4", 2),
+  ("sam microbatches=4", "sam mb=4", "adamw scan mb=4", 2),
+  ("sam diagnostics=False, microbatches=4", "sam diagnostics=False mb=4", "adamw scan mb=4", 1),
+)
+CPU_STEPS = (("gsam", 2), ("sam", 2), ("sam diagnostics=False", 1))
+
+
+def _data_peak(row: dict) -> int:
+  """argument + output - alias + temp: the recorded peak without the program's code."""
+  return row["peak_bytes"] - row["generated_code_bytes"]
+
+
+def _tpu_rows(model: str, result: dict, steps) -> list[dict]:
+  """Table rows of one TPU result: each step in f32 and bf16 against its reference."""
+  rows = []
+  for label, name, reference, needs in steps:
+    row = {"model": model, "step": label, "over": reference, "needs": needs}
+    for dtype in ("f32", "bf16"):
+      by = {r["contender"]: r for r in result["rows"] if r["dtype"] == dtype}
+      if name not in by or reference not in by:
+        continue
+      p = by[name].get("param_bytes_per_core") or by[name]["param_bytes"]  # a shard, or whole
+      peak, base = _data_peak(by[name]), _data_peak(by[reference])
+      if isinstance(needs, str):  # a ratio to the reference
+        met = peak <= float(needs.rstrip("x")) * base
+        row[dtype] = {"peak_GiB": peak / GiB, "ratio": peak / base, "met": met}
+      else:
+        over = (peak - base) / p
+        row[dtype] = {"peak_GiB": peak / GiB, "over_P": over, "met": over <= needs + 1e-9}
+    rows.append(row)
+  return rows
+
+
+def _cpu_rows(result: dict) -> list[dict]:
+  rows = []
+  for case, row in result["rows"].items():
+    for name, needs in CPU_STEPS:
+      over = row[f"{name}_extra_params"]
+      rows.append({
+        "model": f"CPU MLP, {case.replace('micro=', 'micro-batch ')}", "step": name,
+        "over": "adamw scan", "needs": needs,
+        "f32": {"peak_MiB": row[f"{name}_MiB"], "over_P": over,
+                "met": over <= needs * 1.01},
+      })  # fmt: skip
+  return rows
+
+
+VIT_MB = "tpu_compile_microbatches.json"
+
+
+def _at_batch(result: dict, batch: int) -> dict:
+  """The rows compiled at ``batch`` images per core (the file keeps probes of other sizes)."""
+  return {"rows": [r for r in result["rows"] if r.get("batch") == batch]}
+
+
+def collect() -> list[dict]:
+  read = lambda name: json.loads((RESULTS / name).read_text())
+  return [
+    *_tpu_rows("FSDP decoder 1.04B, v4-64", read("tpu_sharded.json"), TPU_STEPS),
+    *_tpu_rows("FSDP residual MLP 537M, v4-64", read("tpu_sharded_mlp.json"), TPU_STEPS),
+    *_tpu_rows("ViT-B/32 replicated, v3-64", read("tpu_compile.json"), VIT_STEPS),
+    *_tpu_rows(
+      "ViT-B/32 replicated, v3-64, 256 images", _at_batch(read(VIT_MB), 256), VIT_MICROBATCH_STEPS
+    ),
+    *_cpu_rows(read("microbatches_memory.json")),
+  ]
+
+
+def _cell(entry: dict | None) -> str:
+  if entry is None:
+    return "-"
+  if "ratio" in entry:
+    return f"{entry['peak_GiB']:.3f} ({entry['ratio']:.3f}x)"
+  if "peak_MiB" in entry:  # the CPU rows: temp memory, in MiB
+    return f"{entry['peak_MiB']:.2f} MiB ({entry['over_P']:+.2f})"
+  return f"{entry['peak_GiB']:.3f} ({entry['over_P']:+.2f})"
+
+
+def _verdict(row: dict) -> str:
+  if row["step"].endswith("(reference)"):
+    return "reference"
+  measured = [d for d in ("f32", "bf16") if d in row]
+  if not measured:
+    return "not measured"
+  missed = [d for d in measured if not row[d]["met"]]
+  return "met" if not missed else "missed " + ", ".join(missed)
+
+
+def markdown(rows: list[dict]) -> str:
+  lines = [
+    "| model | step | over | needs (P) | f32 peak GiB (P over) | bf16 peak GiB (P over) | verdict |",
+    "|---|---|---|---|---|---|---|",
+  ]
+  for r in rows:
+    needs = r["needs"] if isinstance(r["needs"], str) else f"{r['needs']}"
+    lines.append(
+      f"| {r['model']} | {r['step']} | {r['over']} | {needs} | {_cell(r.get('f32'))} | "
+      f"{_cell(r.get('bf16'))} | {_verdict(r)} |"
+    )
+  return "\n".join(lines)
+
+
+def main() -> list[dict]:
+  rows = collect()
+  print(markdown(rows))
+  for r in rows:
+    r["verdict"] = _verdict(r)
+  out = RESULTS / "memory_table.json"
+  out.write_text(
+    json.dumps({"command": "python benchmarks/memory_table.py", "rows": rows}, indent=2) + "\n"
+  )
+  print(f"wrote {out}")
+  return rows
+
+
+if __name__ == "__main__":
+  main()
