@@ -100,6 +100,12 @@ def analyse(compiled) -> dict[str, Any]:
   return row
 
 
+def data_peak(row: dict[str, Any]) -> int:
+  """argument + output - alias + temp: a row's peak without the program's generated code, which
+  a two-pass step doubles whatever data it holds (the memory table's measure)."""
+  return row["peak_bytes"] - row["generated_code_bytes"]
+
+
 def out_of_memory(error: Exception) -> dict[str, Any] | None:
   """The TPU compiler's refusal of a program too large for HBM, or None for other errors."""
   text = str(error)

@@ -286,8 +286,7 @@ def test_microbatches_memory_smoke(tmp_path):
 def test_memory_table_reads_every_recorded_model_and_judges_each_row(tmp_path, monkeypatch):
   """The one memory table: the P over the reference is recomputed here from the raw JSON."""
   results = Path(memory_table.__file__).parent / "results"
-  for name in ("tpu_sharded.json", "tpu_sharded_mlp.json", "tpu_compile.json",
-               "microbatches_memory.json"):  # fmt: skip
+  for name in memory_table.FILES:
     (tmp_path / name).write_text((results / name).read_text())
   monkeypatch.setattr(memory_table, "RESULTS", tmp_path)
   rows = memory_table.main()

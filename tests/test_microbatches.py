@@ -377,11 +377,11 @@ def test_the_clean_passs_mean_is_behind_a_barrier_when_lowered_for_tpu_only():
   assert _barriers(step, params, tx.init(params)) == {"cpu": 1, "tpu": 1}
 
 
-def test_the_outputs_finiteness_check_is_behind_a_barrier_when_lowered_for_cpu_only():
+def test_the_outputs_finiteness_check_is_behind_a_barrier_when_lowered_for_cpu():
   """XLA's CPU compiler otherwise reads the output after SGD's update and keeps it: SAM held 3
   parameter buffers over the scan, not 2 (test_memory_beyond_an_accumulating_scan...)."""
   params, x, t = make_data(16)
   tx = optax.chain(optax_gsam.sam(0.05), optax.sgd(0.1))
   loss_fn = lambda p: batch_loss(p, (jnp.asarray(x), jnp.asarray(t)))
   step = lambda p, s: tx.update(jax.grad(loss_fn)(p), s, p, loss_fn=loss_fn)[0]
-  assert _barriers(step, params, tx.init(params)) == {"cpu": 1, "tpu": 1}
+  assert _barriers(step, params, tx.init(params))["cpu"] == 1  # TPU's: tests/test_step.py

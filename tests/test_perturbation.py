@@ -164,3 +164,30 @@ def test_each_backends_norms_differentiate_alike_and_finitely(scale):
     np.testing.assert_allclose(
       jax.grad(lambda a, f=pair_stats: f(a, y)[2])(x), cosine_grad, rtol=1e-5
     )
+
+
+EXPONENT_CASES = [0.0, 1.0, 0.75, 3.0, 1e-40, 1e-45, 1e38, 2.0**-126, 2.0**120, 2.0**121, 6e-5,
+                  np.inf, np.nan]  # fmt: skip
+
+
+def _frexp_exponent(tree):
+  """The CPU norms' scaling exponent as jnp.frexp gives it: independent of the bit reading."""
+  largest = jnp.max(jnp.stack([jnp.max(jnp.abs(x)) for x in tree.values()]))
+  return jnp.clip(jnp.frexp(largest)[1], -120, 120)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_the_cpu_norms_exponent_is_frexps_eager_and_jitted(dtype):
+  for value in EXPONENT_CASES:
+    with np.errstate(all="ignore"):
+      tree = {"a": jnp.asarray(np.asarray([value, -value / 2]), dtype), "b": jnp.zeros(3, dtype)}
+    expected = int(_frexp_exponent(tree))
+    assert int(perturbation_src._exponent(tree)) == expected, (dtype, value)
+    assert int(jax.jit(perturbation_src._exponent)(tree)) == expected, (dtype, value)
+
+
+def test_the_cpu_norms_exponent_of_float64_is_frexps():
+  with jax.enable_x64(True):
+    for value in [1e-300, 1e300, 5e-324, 0.3, 2.0**-1022]:
+      tree = {"a": jnp.asarray([value, -value / 2], jnp.float64)}
+      assert int(perturbation_src._exponent(tree)) == int(_frexp_exponent(tree)), value
