@@ -107,3 +107,12 @@ def runtime_conditionals(fn, *args) -> int:
   """
   text = str(jax.make_jaxpr(fn)(*args))
   return text.count("cond[") - text.count("platform_index")
+
+
+def optimization_barriers(step, *args) -> dict[str, int]:
+  """optimization_barrier ops in ``step`` lowered for CPU and for TPU (no TPU needed)."""
+  traced = jax.jit(step).trace(*args)
+  return {
+    platform: traced.lower(lowering_platforms=(platform,)).as_text().count("optimization_barrier")
+    for platform in ("cpu", "tpu")
+  }

@@ -19,6 +19,7 @@ from _ascent_reference import flat
 from _ascent_reference import loss_jax
 from _ascent_reference import make_data
 from _ascent_reference import reference_run
+from _problems import optimization_barriers
 
 import optax_gsam
 
@@ -358,14 +359,6 @@ def test_a_gradient_cache_per_microbatch_is_the_dense_micro_batched_step():
     np.testing.assert_allclose(outputs[0], outputs[1], rtol=1e-10)
 
 
-def _barriers(step, *args):
-  traced = jax.jit(step).trace(*args)
-  return {
-    platform: traced.lower(lowering_platforms=(platform,)).as_text().count("optimization_barrier")
-    for platform in ("cpu", "tpu")
-  }
-
-
 def test_the_clean_passs_mean_is_behind_a_barrier_when_lowered_for_tpu_only():
   """TPU's compiler otherwise folds the mean into late readers (benchmarks/tpu_compile.py);
   the CPU's one barrier orders the output's finiteness check (the next test). The TPU's barrier
@@ -374,7 +367,7 @@ def test_the_clean_passs_mean_is_behind_a_barrier_when_lowered_for_tpu_only():
   batch = (jnp.asarray(x), jnp.asarray(t))
   tx = optax.chain(optax_gsam.gsam(0.05, 0.3, microbatches=K), optax.sgd(0.1))
   step = lambda p, s: tx.update(None, s, p, loss_fn=batch_loss, batch=batch)[0]
-  assert _barriers(step, params, tx.init(params)) == {"cpu": 1, "tpu": 1}
+  assert optimization_barriers(step, params, tx.init(params)) == {"cpu": 1, "tpu": 1}
 
 
 def test_the_outputs_finiteness_check_is_behind_a_barrier_when_lowered_for_cpu():
@@ -384,4 +377,6 @@ def test_the_outputs_finiteness_check_is_behind_a_barrier_when_lowered_for_cpu()
   tx = optax.chain(optax_gsam.sam(0.05), optax.sgd(0.1))
   loss_fn = lambda p: batch_loss(p, (jnp.asarray(x), jnp.asarray(t)))
   step = lambda p, s: tx.update(jax.grad(loss_fn)(p), s, p, loss_fn=loss_fn)[0]
-  assert _barriers(step, params, tx.init(params))["cpu"] == 1  # TPU's: tests/test_step.py
+  assert (
+    optimization_barriers(step, params, tx.init(params))["cpu"] == 1
+  )  # TPU's: tests/test_step.py

@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+from _problems import optimization_barriers
 
 import optax_gsam
 from optax_gsam._src import microbatch
@@ -152,15 +153,6 @@ def test_what_a_full_step_learns_is_kept_only_from_a_finite_step_that_did_not_fa
   np.testing.assert_array_equal(keep(outcome._replace(full=jnp.asarray(False))), previous["w"])
 
 
-def _tpu_barriers(update, *args):
-  """optimization_barrier ops in ``update`` lowered for TPU and for CPU (no TPU needed)."""
-  traced = jax.jit(update).trace(*args)
-  return {
-    platform: traced.lower(lowering_platforms=(platform,)).as_text().count("optimization_barrier")
-    for platform in ("tpu", "cpu")
-  }
-
-
 def test_the_clean_pass_ends_behind_a_tpu_barrier_except_per_device_whole_batch():
   """The barrier is measured on the TPU compiler (benchmarks/tpu_sharded.py, tpu_compile.py):
   it cuts GSAM's FSDP peak by 9 parameter shards, but costs the per-device ViT 0.19 GiB in bf16;
@@ -182,11 +174,11 @@ def test_the_clean_pass_ends_behind_a_tpu_barrier_except_per_device_whole_batch(
 
       return jax.vmap(one, axis_name="data")(xs)
 
-    return _tpu_barriers(update, params, x)
+    return optimization_barriers(update, params, x)
 
   tx = optax_gsam.gsam(0.05, 0.3)
   closed = lambda q: loss(q, x[0])
   whole = lambda p: tx.update(jax.grad(closed)(p), tx.init(p), p, loss_fn=closed)[0]
-  assert _tpu_barriers(whole, params) == {"tpu": 1, "cpu": 1}
+  assert optimization_barriers(whole, params) == {"tpu": 1, "cpu": 1}
   assert per_device() == {"tpu": 0, "cpu": 1}
   assert per_device(microbatches=2) == {"tpu": 1, "cpu": 1}
