@@ -55,6 +55,8 @@ DEFAULT_MAX_AMPLIFICATION = 1.0
 # [0.5, 1). The exponent is clipped to +-120 so that the scale itself stays a
 # normal float32.
 _EXPONENT_LIMIT = 120
+# A key beyond every clipped exponent (_scale's sort).
+_ORDER_SENTINEL = 1000
 
 
 def _safe_inverse(x: jax.Array) -> jax.Array:
@@ -69,29 +71,48 @@ def _real_parts(x: jax.Array) -> list[jax.Array]:
   return [jnp.real(x), jnp.imag(x)] if jnp.iscomplexobj(x) else [x]
 
 
-def _exponent(tree: optax.Params) -> jax.Array:
-  """e with max |x| = m 2^e, m in [0.5, 1); clipped to +-120, and 0 for a zero or non-finite max.
+class _Scale(NamedTuple):
+  """The power of two that scales a tree for the CPU's norms (:func:`_scale`)."""
 
-  Read from the bits of the largest entry, as ``jnp.frexp`` gives it for a normal number: XLA's
-  CPU compiler copies this scalar computation into every fusion that scales a leaf by it, and
-  frexp's thirty-odd ops per copy were 8% of the CNN's GSAM step (benchmarks/compile_time.py).
-  A subnormal largest entry reads as the lowest normal exponent, clipped to -120 as frexp's.
+  exponent: jax.Array  # int32 e, max |x| = m 2^e with m in [0.5, 1); clipped to +-120
+  full: jax.Array  # float32 2^-e: the tree's largest entry in [0.5, 1)
+  half: jax.Array  # float32 2^-(e+1): in [0.25, 0.5)
+
+
+def _scale(tree: optax.Params) -> _Scale:
+  """The exponent of ``tree``'s largest entry and its scales; e = 0 for a zero or non-finite max.
+
+  The exponent is read from the bits of each leaf's largest entry, as ``jnp.frexp`` gives it
+  for a normal number; a subnormal reads as the lowest normal exponent, clipped to -120 as
+  frexp's. The leaves' figures are combined by a sort, not a max: XLA's CPU compiler unrolls a
+  max over stacked scalars into a chain of maxima and copies that chain, and whatever scalar
+  work follows it, into every fusion that scales a leaf, which grows the program with the square
+  of the number of leaves (benchmarks/compile_time.py). A sort is never copied into its
+  consumers, and it carries the scales ready-made, so that each fusion only reads one.
   """
   maxima = [jnp.max(jnp.abs(p)) for x in jax.tree.leaves(tree) if x.size for p in _real_parts(x)]
   if not maxima:
-    return jnp.zeros((), jnp.int32)
-  largest = jax.lax.stop_gradient(maxima[0] if len(maxima) == 1 else jnp.max(jnp.stack(maxima)))
+    return _Scale(jnp.zeros((), jnp.int32), jnp.ones((), jnp.float32), jnp.full((), 0.5))
+  largest = jax.lax.stop_gradient(jnp.stack(maxima))
   if largest.dtype == jnp.float64:
     bits, shift, field, bias = jnp.int64, 52, 0x7FF, 1022
   else:
     largest, bits, shift, field, bias = largest.astype(jnp.float32), jnp.int32, 23, 0xFF, 126
   raw = jax.lax.bitcast_convert_type(largest, bits)
   exponent = ((jnp.right_shift(raw, shift) & field) - bias).astype(jnp.int32)
-  usable = (raw != 0) & jnp.isfinite(largest)  # bits: a subnormal is not 0, flushed or not
-  return jnp.where(usable, jnp.clip(exponent, -_EXPONENT_LIMIT, _EXPONENT_LIMIT), 0)
+  exponent = jnp.clip(exponent, -_EXPONENT_LIMIT, _EXPONENT_LIMIT)
+  finite = jnp.isfinite(largest)
+  # Keys ordered so that the last one decides: a non-finite leaf, else the largest exponent; a
+  # zero leaf (raw bits 0; a subnormal is not 0, flushed or not) only when every leaf is zero.
+  keys = jnp.where(finite, jnp.where(raw != 0, exponent, -_ORDER_SENTINEL), _ORDER_SENTINEL)
+  exponent = jnp.where(finite & (raw != 0), exponent, 0)
+  columns = (exponent, _power_of_two(-exponent), _power_of_two(-exponent - 1))
+  if len(maxima) > 1:
+    columns = jax.lax.sort((keys, *columns), num_keys=1)[1:]
+  return _Scale(*(column[-1] for column in columns))
 
 
-def _power_of_two(exponent: jax.Array, dtype: Any) -> jax.Array:
+def _power_of_two(exponent: jax.Array, dtype: Any = jnp.float32) -> jax.Array:
   r""":math:`2^e` in ``dtype`` (float32 or float64), exact for :math:`|e| \le 126`.
 
   Built from the bits of a normal float32 (the exponents here are clipped to
@@ -102,26 +123,28 @@ def _power_of_two(exponent: jax.Array, dtype: Any) -> jax.Array:
   return jax.lax.bitcast_convert_type(bits, jnp.float32).astype(dtype)
 
 
-def _scaled_dot(a: optax.Params, b: optax.Params, exp_a: jax.Array, exp_b: jax.Array) -> jax.Array:
-  """The inner product of ``a`` scaled by 2^-exp_a and ``b`` scaled by 2^-exp_b (exact scalings)."""
+def _scaled_dot(
+  a: optax.Params, b: optax.Params, scale_a: jax.Array, scale_b: jax.Array
+) -> jax.Array:
+  """The inner product of ``a`` times ``scale_a`` and ``b`` times ``scale_b`` (powers of two)."""
   scales: dict[tuple[int, Any], jax.Array] = {}
 
-  def scale(which: int, exponent: jax.Array, dtype: Any) -> jax.Array:
+  def scale(which: int, factor: jax.Array, dtype: Any) -> jax.Array:
     key = (which, jnp.dtype(dtype))  # one scalar per tree and dtype, not one per leaf
     if key not in scales:
-      scales[key] = _power_of_two(-exponent, dtype)
+      scales[key] = factor.astype(dtype)
     return scales[key]
 
   total = jnp.zeros((), jnp.float32)
   for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
     for p, q in zip(_real_parts(x), _real_parts(y), strict=True):
-      total = total + jnp.sum((p * scale(0, exp_a, p.dtype)) * (q * scale(1, exp_b, q.dtype)))
+      total = total + jnp.sum((p * scale(0, scale_a, p.dtype)) * (q * scale(1, scale_b, q.dtype)))
   return total
 
 
-def _scaled_norm(tree: optax.Params, exponent: jax.Array) -> jax.Array:
-  """The norm of ``tree`` scaled by 2^-exponent."""
-  return jnp.sqrt(_scaled_dot(tree, tree, exponent, exponent))
+def _scaled_norm(tree: optax.Params, factor: jax.Array) -> jax.Array:
+  """The norm of ``tree`` times ``factor`` (a power of two)."""
+  return jnp.sqrt(_scaled_dot(tree, tree, factor, factor))
 
 
 def _unscale(value: jax.Array, exponent: jax.Array) -> jax.Array:
@@ -179,8 +202,8 @@ def _pair_stats(a: optax.Updates, b: optax.Updates) -> tuple[jax.Array, jax.Arra
 
 def _two_pass_norm(tree: optax.Params) -> jax.Array:
   """The norm of ``tree``, scaled first by the power of two of its largest entry."""
-  exponent = _exponent(tree) + 1  # half the scale: see _two_pass_pair_stats
-  return _unscale(_scaled_norm(tree, exponent), exponent)
+  scale = _scale(tree)  # at half the scale: see _two_pass_pair_stats
+  return _unscale(_scaled_norm(tree, scale.half), scale.exponent + 1)
 
 
 def _two_pass_pair_stats(a: optax.Updates, b: optax.Updates) -> tuple[jax.Array, ...]:
@@ -192,11 +215,11 @@ def _two_pass_pair_stats(a: optax.Updates, b: optax.Updates) -> tuple[jax.Array,
   after that pass. Shared, XLA's CPU compiler keeps the copy, a params-sized buffer, through
   the whole perturbed pass.
   """
-  exp_a, exp_b = _exponent(a), _exponent(b)
-  half_a, half_b = _scaled_norm(a, exp_a + 1), _scaled_norm(b, exp_b + 1)
-  dot = _scaled_dot(a, b, exp_a, exp_b)
+  scale_a, scale_b = _scale(a), _scale(b)
+  half_a, half_b = _scaled_norm(a, scale_a.half), _scaled_norm(b, scale_b.half)
+  dot = _scaled_dot(a, b, scale_a.full, scale_b.full)
   cosine = dot * _safe_inverse(2 * half_a) * _safe_inverse(2 * half_b)
-  return _unscale(half_a, exp_a + 1), _unscale(half_b, exp_b + 1), cosine
+  return _unscale(half_a, scale_a.exponent + 1), _unscale(half_b, scale_b.exponent + 1), cosine
 
 
 # ----------------------------------------------------------------------------- TPU's and GPU's form
