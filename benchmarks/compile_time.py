@@ -11,6 +11,10 @@ be read against the extra ops.
 Targets: the gsam step compiles in at most 1.2x ``optax.contrib.sam``'s time;
 the every-k step in at most 1.5x.
 
+How the program grows with the number of leaves: gsam and ``optax.contrib.sam``
+on tanh MLPs of 10, 40 and 100 layers (16 x 16 kernels, one compile each):
+``--depths``; ``--depths`` with no value skips it.
+
 Run: ``python benchmarks/compile_time.py`` (about two minutes on 2 cores);
 writes ``benchmarks/results/compile_time.json``.
 """
@@ -136,6 +140,50 @@ def run(names: list[str], rounds: int, batch_size: int) -> list[dict]:
   return rows
 
 
+def _deep_mlp_step(name: str, depth: int):
+  """(step, args) of ``name`` on a tanh MLP of ``depth`` 16 x 16 kernels (``depth`` leaves)."""
+  params = {f"w{i}": jnp.full((16, 16), 0.1) for i in range(depth)}
+  inputs = jnp.ones((8, 16))
+
+  def loss_fn(params, inputs):
+    for i in range(depth):
+      inputs = jnp.tanh(inputs @ params[f"w{i}"])
+    return jnp.sum(inputs**2)
+
+  make, protocol, _ = CONTENDERS[name]
+  tx = make(optax.adam(LR))
+
+  def step(params, opt_state):
+    loss, grads = jax.value_and_grad(loss_fn)(params, inputs)
+    if protocol == "grad_fn":
+      grad_fn = lambda p, _: jax.grad(loss_fn)(p, inputs)
+      updates, opt_state = tx.update(grads, opt_state, params, grad_fn=grad_fn)
+    else:
+      closed = lambda p: loss_fn(p, inputs)
+      updates, opt_state = tx.update(grads, opt_state, params, loss_fn=closed, value=loss)
+    return optax.apply_updates(params, updates), opt_state
+
+  return step, (params, tx.init(params))
+
+
+def depth_scaling(depths: list[int]) -> list[dict]:
+  """Compile seconds and HLO instructions of gsam and ``optax.contrib.sam`` by MLP depth."""
+  rows = []
+  for depth in depths:
+    for name in ("optax.contrib.sam", "gsam"):
+      step, args = _deep_mlp_step(name, depth)
+      lowered = jax.jit(step).lower(*args)
+      start = time.perf_counter()
+      compiled = lowered.compile()
+      seconds = time.perf_counter() - start
+      count = sum(opcode_counts(compiled.as_text()).values())
+      rows.append(
+        {"depth": depth, "contender": name, "compile_seconds": seconds, "hlo_instructions": count}
+      )
+      print(f"  depth {depth} {name}: {count} instructions, {seconds:.2f} s", flush=True)
+  return rows
+
+
 def targets(rows: list[dict]) -> list[dict]:
   by_name = {r["contender"]: r for r in rows}
   reference = by_name.get("optax.contrib.sam")
@@ -170,11 +218,13 @@ def main(argv: list[str] | None = None) -> dict:
   parser.add_argument("--rounds", type=int, default=5)
   parser.add_argument("--batch", type=int, default=128)
   parser.add_argument("--contenders", nargs="*", default=list(CONTENDERS))
+  parser.add_argument("--depths", nargs="*", type=int, default=[10, 40, 100])
   parser.add_argument("--out", default=str(RESULTS / "compile_time.json"))
   args = parser.parse_args(argv)
   rows = run(args.contenders, args.rounds, args.batch)
   print_table(rows)
   result = {"batch": args.batch, "rounds": args.rounds, "rows": rows, "targets": targets(rows)}
+  result["depth_scaling"] = depth_scaling(args.depths)
   for t in result["targets"]:
     status = "met" if t["met"] else "MISSED"
     print(f"{t['contender']}: {t['ratio_to_contrib_sam']:.2f}x optax.contrib.sam's compile time "
