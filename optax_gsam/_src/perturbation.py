@@ -92,7 +92,9 @@ def _scale(tree: optax.Params) -> _Scale:
   """
   maxima = [jnp.max(jnp.abs(p)) for x in jax.tree.leaves(tree) if x.size for p in _real_parts(x)]
   if not maxima:
-    return _Scale(jnp.zeros((), jnp.int32), jnp.ones((), jnp.float32), jnp.full((), 0.5))
+    return _Scale(
+      jnp.zeros((), jnp.int32), jnp.ones((), jnp.float32), jnp.full((), 0.5, jnp.float32)
+    )
   largest = jax.lax.stop_gradient(jnp.stack(maxima))
   if largest.dtype == jnp.float64:
     bits, shift, field, bias = jnp.int64, 52, 0x7FF, 1022
