@@ -108,9 +108,13 @@ def _scale(tree: optax.Params) -> _Scale:
   # zero leaf (raw bits 0; a subnormal is not 0, flushed or not) only when every leaf is zero.
   keys = jnp.where(finite, jnp.where(raw != 0, exponent, -_ORDER_SENTINEL), _ORDER_SENTINEL)
   exponent = jnp.where(finite & (raw != 0), exponent, 0)
-  columns = (exponent, _power_of_two(-exponent), _power_of_two(-exponent - 1))
+  columns: tuple[jax.Array, ...] = (
+    exponent,
+    _power_of_two(-exponent),
+    _power_of_two(-exponent - 1),
+  )
   if len(maxima) > 1:
-    columns = jax.lax.sort((keys, *columns), num_keys=1)[1:]
+    columns = tuple(jax.lax.sort((keys, *columns), num_keys=1)[1:])
   return _Scale(*(column[-1] for column in columns))
 
 
