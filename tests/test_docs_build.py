@@ -54,6 +54,11 @@ def test_every_page_is_in_a_toctree():
   )
 
 
+# The tests that read the built site run on one pytest-xdist worker (pyproject.toml: --dist
+# loadgroup), so that the site is built once, not once a worker.
+SITE = pytest.mark.xdist_group("built_site")
+
+
 @pytest.fixture(scope="module")
 def built_site(tmp_path_factory) -> pathlib.Path:
   out = tmp_path_factory.mktemp("site")
@@ -66,15 +71,18 @@ def built_site(tmp_path_factory) -> pathlib.Path:
   return out / "html"
 
 
+@SITE
 def test_site_builds_without_warnings(built_site):
   assert (built_site / "index.html").exists()
 
 
+@SITE
 @pytest.mark.parametrize("name", public_names())
 def test_api_reference_renders(built_site, name):
   assert f'id="{name}"' in (built_site / "api.html").read_text(), f"{name} is not on api.html"
 
 
+@SITE
 def test_pages_load_nothing_from_the_network(built_site):
   """Scripts, styles and images come from the site itself (MathJax included): it works offline."""
   remote = re.compile(r"<(?:script|link|img)\b[^>]*\b(?:src|href)=\"(?:https?:)?//[^\"]*\"[^>]*>")
@@ -88,6 +96,7 @@ def test_pages_load_nothing_from_the_network(built_site):
   assert (built_site / "_static/mathjax/input/tex/extensions/textmacros.js").exists()
 
 
+@SITE
 def test_signatures_show_only_public_names(built_site):
   text = (built_site / "api.html").read_text()
   signatures = [
