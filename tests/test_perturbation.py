@@ -1,5 +1,6 @@
 """The pure maths: perturbation forms, decomposition and overflow-safe reductions."""
 
+import compile_time  # benchmarks/ (pyproject.toml's pythonpath): the one HLO instruction count
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -226,9 +227,7 @@ def test_the_cpu_norms_compile_linearly_in_the_number_of_leaves():
   def instructions(leaves: int) -> int:
     tree = jax.device_put({f"w{i}": jnp.full((4, 4), 1.0 + i) for i in range(leaves)}, cpu)
     text = jax.jit(optax_gsam.gradient_stats).lower(tree, tree).compile().as_text()
-    return sum(
-      1 for line in text.splitlines() if " = " in line and line.lstrip().startswith(("%", "ROOT"))
-    )
+    return sum(compile_time.opcode_counts(text).values())
 
   few, some, many = instructions(4), instructions(16), instructions(64)
   assert (many - some) / 48 <= 1.25 * (some - few) / 12, (few, some, many)
