@@ -44,3 +44,13 @@ import pytest  # noqa: E402
 def data_mesh():
   """The 8 simulated CPU devices as a one-axis mesh named "data"."""
   return jax.make_mesh((8,), ("data",))
+
+
+@pytest.fixture(scope="module")
+def no_compilation_cache():
+  """The persistent compilation cache off for a module: the TPU topology compiles (no TPU
+  attached) write entries that a later run cannot load, a warning each time."""
+  enabled = jax.config.jax_enable_compilation_cache
+  jax.config.update("jax_enable_compilation_cache", False)
+  yield
+  jax.config.update("jax_enable_compilation_cache", enabled)

@@ -13,6 +13,9 @@ from pathlib import Path
 
 import pytest
 
+# conftest.py: no persistent compilation cache for compiles of a described TPU.
+pytestmark = pytest.mark.usefixtures("no_compilation_cache")
+
 needs_libtpu = pytest.mark.skipif(
   importlib.util.find_spec("libtpu") is None,
   reason="libtpu is not installed; pip install -e '.[tpu-compile]' to compile for a TPU topology",
