@@ -64,18 +64,25 @@ def _tpu_rows(model: str, result: dict, steps) -> list[dict]:
     row = {"model": model, "step": label, "over": reference, "needs": needs}
     for dtype in ("f32", "bf16"):
       by = {r["contender"]: r for r in result["rows"] if r["dtype"] == dtype}
-      if name not in by or reference not in by:
-        continue
-      p = by[name].get("param_bytes_per_core") or by[name]["param_bytes"]  # a shard, or whole
-      peak, base = data_peak(by[name]), data_peak(by[reference])
-      if isinstance(needs, str):  # a ratio to the reference
-        met = peak <= float(needs.rstrip("x")) * base
-        row[dtype] = {"peak_GiB": peak / GiB, "ratio": peak / base, "met": met}
-      else:
-        over = (peak - base) / p
-        row[dtype] = {"peak_GiB": peak / GiB, "over_P": over, "met": over <= needs}
+      if name in by and reference in by:
+        row[dtype] = tpu_cell(by[name], by[reference], needs)
     rows.append(row)
   return rows
+
+
+def tpu_cell(step: dict, reference: dict, needs: int | str) -> dict:
+  """One step's compiled row against its reference's: the peak, the excess and the verdict.
+
+  ``needs``: the parameter buffers per core (``P``) the maths needs over the reference, or a
+  ratio to the reference's peak (``"1.01x"``).
+  """
+  p = step.get("param_bytes_per_core") or step["param_bytes"]  # a shard, or the whole params
+  peak, base = data_peak(step), data_peak(reference)
+  if isinstance(needs, str):
+    return {"peak_GiB": peak / GiB, "ratio": peak / base,
+            "met": peak <= float(needs.rstrip("x")) * base}  # fmt: skip
+  over = (peak - base) / p
+  return {"peak_GiB": peak / GiB, "over_P": over, "met": over <= needs}
 
 
 def _cpu_rows(result: dict) -> list[dict]:
