@@ -193,31 +193,16 @@ def materialized_on_tpu(tree: Any) -> Any:
 
 
 def all_finite(tree: Any) -> jax.Array:
-  """Whether every entry of ``tree`` is finite, in the form each backend holds least for.
+  """Whether every entry of ``tree`` is finite, as one sum per leaf.
 
-  On CPU, one sum per leaf (:func:`_finite_by_sums`); on TPU and GPU, one
-  reduction of ``isfinite`` per leaf (:func:`_finite_by_entries`). Chosen when
-  the step is lowered (``jax.lax.platform_dependent``).
+  ``x * 0`` is 0 for a finite entry and NaN for an infinite or NaN one, and a sum
+  of zeros cannot overflow, so the sum is finite exactly when every entry is.
+  Unlike ``jnp.all(jnp.isfinite(x))``, which XLA's CPU compiler materializes as
+  a boolean array (a quarter of a float32 parameter buffer) before reducing it,
+  the product fuses into the sum. (A maximum of ``|x|`` would not do: the CPU's
+  vectorized maximum drops NaNs.)
   """
   leaves = jax.tree.leaves(tree)
   if not leaves:
     return jnp.asarray(True)
-  return jax.lax.platform_dependent(leaves, cpu=_finite_by_sums, default=_finite_by_entries)
-
-
-def _finite_by_sums(leaves: list[jax.Array]) -> jax.Array:
-  """``x * 0`` is 0 for a finite entry and NaN for an infinite or NaN one, and a sum of zeros
-  cannot overflow, so the sum is finite exactly when every entry is.
-
-  Unlike ``jnp.all(jnp.isfinite(x))``, which XLA's CPU compiler materializes as a boolean
-  array (a quarter of a float32 parameter buffer) before reducing it, the product fuses into
-  the sum. (A maximum of ``|x|`` would not do: the CPU's vectorized maximum drops NaNs.)
-  """
   return jnp.all(jnp.stack([jnp.isfinite(jnp.sum(x * 0)) for x in leaves]))
-
-
-def _finite_by_entries(leaves: list[jax.Array]) -> jax.Array:
-  """``isfinite`` reduced per leaf: the TPU compiler fuses it, and the sums of
-  :func:`_finite_by_sums` cost the FSDP decoder's every-5 bf16 step 2.5 parameter shards
-  (benchmarks/README.md)."""
-  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
