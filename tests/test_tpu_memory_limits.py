@@ -7,13 +7,15 @@ brings held buffers back fails here. The missed cells are left to the table, whi
 them. The decoder's all-reduce counts against optax.contrib.sam's are guarded too.
 
 Needs libtpu (the ``tpu-compile`` extra; without it these tests fail, they do not skip) and takes
-about 25 minutes on two cores, so it runs apart from the README's suite, one process per class
-(the FSDP and the ViT compiles; two ViT compiles at once would need more than 24 GB):
+about 25 minutes on two cores, so it runs apart from the README's suite, one worker per class
+(the FSDP and the ViT compiles; two ViT compiles at once, about 11 GB each, would not fit 24 GB):
 ``python -m pytest -n 2 --dist loadscope -m tpu_limits tests/test_tpu_memory_limits.py``.
 """
 
+import concurrent.futures
 import functools
 import json
+import multiprocessing
 
 import jax
 import memory_table  # benchmarks/ (pyproject.toml's pythonpath)
@@ -79,31 +81,41 @@ def _recorded_rows(model: str) -> dict:
 
 @functools.cache
 def _compiled_row(model: str, name: str, dtype: str) -> dict:
-  """One step's figures compiled now, at the model, batch and topology its result file records."""
+  """One step's figures compiled now, at the model, batch and topology its result file records.
+
+  Each compile runs in a fresh process: the TPU compiler keeps much of what it allocated, and a
+  process that compiled the ViT's programs one after another grew past 15 GB.
+  """
+  context = multiprocessing.get_context("spawn")
+  with concurrent.futures.ProcessPoolExecutor(1, mp_context=context) as pool:
+    row = pool.submit(_compile, model, name, dtype).result()
+  # The arguments (params, optimizer state, batch) fix the model, batch and layout: the program
+  # compiled is the one recorded.
+  assert row["argument_bytes"] == _recorded_rows(model)[name, dtype]["argument_bytes"], name
+  return row
+
+
+def _compile(model: str, name: str, dtype: str) -> dict:
+  """:func:`_compiled_row`'s compile, in the child process (no persistent compilation cache)."""
+  jax.config.update("jax_enable_compilation_cache", False)
   recorded = json.loads((RESULTS / MODELS[model][0]).read_text())
   config = {k: v for k, v in recorded["model"].items() if k != "name"}
   if model in (DECODER, MLP):
     kind = DecoderConfig if model == DECODER else MLPConfig
     mesh = tpu_sharded.tpu_mesh(recorded["topology"])
     row, _ = tpu_sharded.compile_row(mesh, kind(**config), dtype, name, recorded["per_core_batch"])
+    return row
+  mesh = tpu_compile.tpu_mesh(recorded["topology"])
+  if model == VIT_MICROBATCHES:
+    method = name.rsplit(" mb=", 1)[0]
+    contender = tpu_compile.microbatch_contender(4, "whole", method)
+    per_core = VIT_MICROBATCH_BATCH
   else:
-    mesh = tpu_compile.tpu_mesh(recorded["topology"])
-    if model == VIT_MICROBATCHES:
-      method = name.rsplit(" mb=", 1)[0]
-      contender = tpu_compile.microbatch_contender(4, "whole", method)
-      per_core = VIT_MICROBATCH_BATCH
-    else:
-      contender, per_core = tpu_compile.CONTENDERS[name], recorded["per_core_batch"]
-    compiled, param_bytes, _ = tpu_compile.compile_step(
-      mesh, ViTConfig(**config), tpu_compile.DTYPES[dtype], contender, per_core
-    )
-    row = {"param_bytes": param_bytes, **analyse(compiled)}
-    del compiled
-  jax.clear_caches()  # the executables and their traces: a process compiles up to 23 programs
-  # The arguments (params, optimizer state, batch) fix the model, batch and layout: the program
-  # compiled is the one recorded.
-  assert row["argument_bytes"] == _recorded_rows(model)[name, dtype]["argument_bytes"], name
-  return row
+    contender, per_core = tpu_compile.CONTENDERS[name], recorded["per_core_batch"]
+  compiled, param_bytes, _ = tpu_compile.compile_step(
+    mesh, ViTConfig(**config), tpu_compile.DTYPES[dtype], contender, per_core
+  )
+  return {"param_bytes": param_bytes, **analyse(compiled)}
 
 
 def _check(model: str, label: str, over: str, dtype: str) -> None:
@@ -116,7 +128,7 @@ def _check(model: str, label: str, over: str, dtype: str) -> None:
 
 @pytest.mark.tpu_limits
 class TestFSDP:
-  """The decoder and the residual MLP, FSDP over a v4-64 (about 23 compiles, 12 minutes)."""
+  """The decoder and the residual MLP, FSDP over a v4-64 (23 compiles, about 15 minutes)."""
 
   @pytest.mark.parametrize(("model", "label", "over", "dtype"), _met_cells((DECODER, MLP)))
   def test_a_met_memory_limit_stays_met(self, model, label, over, dtype):
