@@ -54,8 +54,9 @@ def test_every_page_is_in_a_toctree():
   )
 
 
-# The tests that read the built site run on one pytest-xdist worker (pyproject.toml: --dist
-# loadgroup), so that the site is built once, not once a worker.
+# The tests that read the built site are meant to run on one pytest-xdist worker (pyproject.toml:
+# --dist loadgroup), so that the site is built once, not once a worker. pytest-xdist 3.8 does not
+# apply the group under pytest 9.2 (each worker then builds it: seconds, not a wrong result).
 SITE = pytest.mark.xdist_group("built_site")
 
 
