@@ -55,6 +55,15 @@ VIT_MICROBATCH_STEPS = (  # 4 micro-batches of 64 images per core, against AdamW
   ("sam diagnostics=False, microbatches=4", "sam diagnostics=False mb=4", "adamw scan mb=4", 1),
 )
 CPU_STEPS = (("gsam", 2), ("sam", 2), ("sam diagnostics=False", 1))
+VIT_MICROBATCH_BATCH = 256  # images per core of the micro-batched ViT rows
+# The TPU models of the table: label -> (result file, steps). tests/test_tpu_memory_limits.py
+# compiles their met cells again from the same entries.
+TPU_MODELS = {
+  "FSDP decoder 1.04B, v4-64": ("tpu_sharded.json", TPU_STEPS),
+  "FSDP residual MLP 537M, v4-64": ("tpu_sharded_mlp.json", TPU_STEPS),
+  "ViT-B/32 replicated, v3-64": ("tpu_compile.json", VIT_STEPS),
+  "ViT-B/32 replicated, v3-64, 256 images": ("tpu_compile_microbatches.json", VIT_MICROBATCH_STEPS),
+}
 
 
 def _tpu_rows(model: str, result: dict, steps) -> list[dict]:
@@ -110,15 +119,14 @@ def _at_batch(result: dict, batch: int) -> dict:
 def collect() -> list[dict]:
   """Every row of the table, read from the result files of ``FILES``."""
   read = lambda name: json.loads((RESULTS / name).read_text())
+  rows = []
+  for model, (name, steps) in TPU_MODELS.items():
+    result = read(name)
+    if model.endswith("256 images"):
+      result = _at_batch(result, VIT_MICROBATCH_BATCH)
+    rows.extend(_tpu_rows(model, result, steps))
   return [
-    *_tpu_rows("FSDP decoder 1.04B, v4-64", read("tpu_sharded.json"), TPU_STEPS),
-    *_tpu_rows("FSDP residual MLP 537M, v4-64", read("tpu_sharded_mlp.json"), TPU_STEPS),
-    *_tpu_rows("ViT-B/32 replicated, v3-64", read("tpu_compile.json"), VIT_STEPS),
-    *_tpu_rows(
-      "ViT-B/32 replicated, v3-64, 256 images",
-      _at_batch(read("tpu_compile_microbatches.json"), 256),
-      VIT_MICROBATCH_STEPS,
-    ),
+    *rows,
     *_cpu_rows(read("microbatches_memory.json")),
   ]
 

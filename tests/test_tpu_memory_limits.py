@@ -36,13 +36,8 @@ VIT = "ViT-B/32 replicated, v3-64"
 VIT_MICROBATCHES = "ViT-B/32 replicated, v3-64, 256 images"
 # The table's TPU models -> (the result file whose "model", topology and batch they were compiled
 # at, memory_table's (label, row, reference, needs) steps of that model).
-MODELS = {
-  DECODER: ("tpu_sharded.json", memory_table.TPU_STEPS),
-  MLP: ("tpu_sharded_mlp.json", memory_table.TPU_STEPS),
-  VIT: ("tpu_compile.json", memory_table.VIT_STEPS),
-  VIT_MICROBATCHES: ("tpu_compile_microbatches.json", memory_table.VIT_MICROBATCH_STEPS),
-}
-VIT_MICROBATCH_BATCH = 256  # memory_table's _at_batch
+MODELS = memory_table.TPU_MODELS
+VIT_MICROBATCH_BATCH = memory_table.VIT_MICROBATCH_BATCH
 # How many cells of each model the table marks met: re-recording the results that changes a
 # verdict changes this line too, so no cell leaves the guard unseen.
 MET_CELLS = {DECODER: 3, MLP: 10, VIT: 6, VIT_MICROBATCHES: 6}
