@@ -3,11 +3,14 @@
 Reads the compiled-memory results the other scripts wrote (no compiling): the FSDP decoder and
 residual MLP on the v4-64 compiler (``tpu_sharded.json``, ``tpu_sharded_mlp.json``), the
 replicated ViT-B/32 on the v3-64 compiler (``tpu_compile.json``) and the CPU MLP on micro-batches
-(``microbatches_memory.json``). For each model and step: the peak of the data per core (TPU:
-argument + output - alias + temp, without the generated code, which a two-pass program doubles
-whatever it holds; CPU: temp), its excess over the reference step in ``P`` (one
+(``microbatches_memory.json``), and what is live at each missed TPU cell's peak
+(``tpu_live.json``, from ``tpu_live.py``'s dumps). For each model and step: the peak of the data
+per core (TPU: argument + output - alias + temp, without the generated code, which a two-pass
+program doubles whatever it holds; CPU: temp), its excess over the reference step in ``P`` (one
 parameter buffer per core: one FSDP shard, or the whole replicated params), what the maths needs
-over that reference, and the verdict.
+over that reference, and the verdict. A missed TPU cell also shows its live excess: the bytes
+live at the step's peak over the reference's, in ``P``. Within the need, the rest of the excess
+is the heap's packing, not a held buffer.
 
 What the maths needs, beyond the base step: the perturbed weights (1 P) and the clean gradient
 while the perturbed pass runs (1 P, for GSAM's decomposition and SAM's diagnostics); a stored
@@ -25,9 +28,11 @@ import pathlib
 from compiled_hlo import data_peak  # the benchmarks folder is on sys.path when a script runs
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+LIVE = "tpu_live.json"  # what is live at each missed TPU cell's peak (tpu_live.py)
 FILES = ("tpu_sharded.json", "tpu_sharded_mlp.json", "tpu_compile.json",
-         "tpu_compile_microbatches.json", "microbatches_memory.json")  # fmt: skip
+         "tpu_compile_microbatches.json", "microbatches_memory.json", LIVE)  # fmt: skip
 GiB = 2**30
+LIVE_TOLERANCE_P = 0.005  # a live excess that rounds to the need in the table's two decimals
 
 # (label, row, reference row, P the maths needs over the reference)
 TPU_STEPS = (
@@ -116,6 +121,17 @@ def _at_batch(result: dict, batch: int) -> dict:
   return {"rows": [r for r in result["rows"] if r.get("batch") == batch]}
 
 
+def _add_live(rows: list[dict], live: dict) -> None:
+  """Each missed TPU cell's live excess over its reference (``tpu_live.py``'s dumps), in place."""
+  found = {(c["model"], c["step"], c["over"], c["dtype"]): c for c in live["cells"]}
+  for row in rows:
+    for dtype in ("f32", "bf16"):
+      cell = found.get((row["model"], row["step"], row["over"], dtype))
+      if cell is not None and dtype in row and not row[dtype]["met"]:
+        keys = ("live_over_P", "packing_P", "live_ratio")
+        row[dtype].update({k: cell[k] for k in keys if k in cell})
+
+
 def collect() -> list[dict]:
   """Every row of the table, read from the result files of ``FILES``."""
   read = lambda name: json.loads((RESULTS / name).read_text())
@@ -125,6 +141,7 @@ def collect() -> list[dict]:
     if model.endswith("256 images"):
       result = _at_batch(result, VIT_MICROBATCH_BATCH)
     rows.extend(_tpu_rows(model, result, steps))
+  _add_live(rows, read(LIVE))
   return [
     *rows,
     *_cpu_rows(read("microbatches_memory.json")),
@@ -135,10 +152,23 @@ def _cell(entry: dict | None) -> str:
   if entry is None:
     return "-"
   if "ratio" in entry:
-    return f"{entry['peak_GiB']:.3f} ({entry['ratio']:.3f}x)"
+    live = f"; live {entry['live_ratio']:.3f}x" if "live_ratio" in entry else ""
+    return f"{entry['peak_GiB']:.3f} ({entry['ratio']:.3f}x{live})"
   if "peak_MiB" in entry:  # the CPU rows: temp memory, in MiB
     return f"{entry['peak_MiB']:.2f} MiB ({entry['over_P']:+.2f})"
-  return f"{entry['peak_GiB']:.3f} ({entry['over_P']:+.2f})"
+  live = f"; live {entry['live_over_P']:+.2f}" if "live_over_P" in entry else ""
+  return f"{entry['peak_GiB']:.3f} ({entry['over_P']:+.2f}{live})"
+
+
+def live_within_needs(entry: dict, needs: int | str) -> bool | None:
+  """Whether a missed cell's live buffers stay within the maths' need (so that the heap's
+  packing holds the excess), to the table's two decimals (``LIVE_TOLERANCE_P``: scalars and
+  other small buffers hold no parameter buffer); None where ``tpu_live.py`` has not dumped it."""
+  if "live_ratio" in entry:
+    return entry["live_ratio"] <= float(str(needs).rstrip("x"))
+  if "live_over_P" in entry:
+    return entry["live_over_P"] <= float(needs) + LIVE_TOLERANCE_P
+  return None
 
 
 def _verdict(row: dict) -> str:
@@ -148,7 +178,20 @@ def _verdict(row: dict) -> str:
   if not measured:
     return "not measured"
   missed = [d for d in measured if not row[d]["met"]]
-  return "met" if not missed else "missed " + ", ".join(missed)
+  if not missed:
+    return "met"
+  text = "missed " + ", ".join(missed)
+  live = [live_within_needs(row[d], row["needs"]) for d in missed]
+  if None in live:
+    return text
+  if all(live):
+    return text + " (live within the need: packing)"
+  return (
+    text
+    + " (live over the need: "
+    + ", ".join(d for d, ok in zip(missed, live, strict=True) if not ok)
+    + ")"
+  )
 
 
 def markdown(rows: list[dict]) -> str:

@@ -41,6 +41,9 @@ def label(name: str) -> str:
   for argument in ("params", "opt_state", "tokens"):
     if name.startswith(argument):
       return argument + ("" if argument == "tokens" else " (argument)")
+  positional = re.match(r"args\[\d+\]", name)  # a wrapped step's arguments, by position
+  if positional:
+    return f"{positional[0]} (argument)"
   if re.fullmatch(r"[A-Za-z_]\w*", name):  # a parameter leaf, named by its key (``kernel``)
     return "params (argument)"
   if name.startswith("copy-start"):
@@ -59,10 +62,19 @@ def grouped(buffers: list[tuple[str, int]]) -> dict[str, tuple[int, int]]:
   return dict(sorted(((k, tuple(v)) for k, v in groups.items()), key=lambda kv: -kv[1][1]))
 
 
-def read(folder: pathlib.Path) -> str:
-  """The live-range dump of the step in ``folder``."""
-  (path,) = folder.glob("*jit_step*after_optimizations-live-range.txt")
-  return path.read_text()
+def read(folder: pathlib.Path, module: str = "jit_step") -> str:
+  """The live-range dump of the program ``module`` in ``folder`` (its last, if dumped twice)."""
+  found = sorted(
+    folder.glob(f"*.{module}.*after_optimizations-live-range.txt"), key=lambda p: p.stat().st_mtime
+  )
+  if not found:
+    raise FileNotFoundError(f"no live-range dump of {module} in {folder}")
+  return found[-1].read_text()
+
+
+def slug(row: str) -> str:
+  """A folder name for a row's dumps (``f32 gsam mb=4`` -> ``f32-gsam_mb4``)."""
+  return row.replace(", ", "_").replace(" ", "_").replace("=", "").replace("/", "")
 
 
 def compare(folders: list[pathlib.Path], shard_bytes: int, top: int) -> str:

@@ -66,6 +66,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from reporting import code_version
 from reporting import render_table
+from tpu_buffers import slug
 from tpu_decoder import DECODER_1B
 from tpu_decoder import DECODER_QUICK
 from tpu_decoder import Decoder
@@ -446,7 +447,7 @@ def run_rows(args, mesh, result) -> list[dict]:
 
 def _file_dump(root: pathlib.Path, row: str) -> None:
   """Moves the step's dumped files into ``root/<row>`` and drops the other programs' files."""
-  folder = root / row.replace(" ", "_").replace("=", "")
+  folder = root / slug(row)
   folder.mkdir(parents=True, exist_ok=True)
   for path in root.glob("module_*"):
     if path.is_file() and ".jit_step." in path.name:

@@ -19,6 +19,7 @@ import optax
 import pareto
 import pytest
 import step_cost
+import tpu_live
 
 import optax_gsam
 
@@ -303,4 +304,29 @@ def test_memory_table_reads_every_recorded_model_and_judges_each_row(tmp_path, m
     assert math.isclose(gsam[dtype]["over_P"], over)
     assert gsam[dtype]["met"] == (over <= 2)
   assert all(r["verdict"] != "not measured" for r in rows)
+  # A missed TPU cell carries what is live at its peak (tpu_live.json), and its verdict says
+  # whether the live excess stays within the need.
+  for dtype in ("f32", "bf16"):
+    assert not gsam[dtype]["met"] and "live_over_P" in gsam[dtype]
+  assert gsam["verdict"] == "missed f32, bf16 (live within the need: packing)"
   assert json.loads((tmp_path / "memory_table.json").read_text())["rows"] == rows
+
+
+def test_a_missed_cell_splits_into_live_buffers_and_packing():
+  """``tpu_live.live_cell``: the live excess, the packing and the kinds of buffer held, in P."""
+  mib = 2**20
+  reference = {"data_peak_bytes": 100 * mib, "live_bytes": 60 * mib, "param_bytes": 10 * mib,
+               "kinds": {"all-reduce": 20 * mib, "copy-start (argument copies)": 30 * mib}}  # fmt: skip
+  step = {"data_peak_bytes": 150 * mib, "live_bytes": 75 * mib, "param_bytes": 10 * mib,
+          "kinds": {"all-reduce": 40 * mib, "copy-start (argument copies)": 25 * mib,
+                    "add": 5 * mib}}  # fmt: skip
+  cell = tpu_live.live_cell(step, reference, 2)
+  assert math.isclose(cell["over_P"], 5.0) and math.isclose(cell["live_over_P"], 1.5)
+  assert math.isclose(cell["packing_P"], 3.5)
+  assert cell["held"] == [["all-reduce", 2.0], ["add", 0.5]]
+  ratio = tpu_live.live_cell(step, reference, "1.01x")
+  assert math.isclose(ratio["ratio"], 1.5) and math.isclose(ratio["live_ratio"], 1.25)
+  assert memory_table.live_within_needs({"live_over_P": 1.5}, 2)
+  assert not memory_table.live_within_needs({"live_ratio": 1.25}, "1.01x")
+  names = ("all-reduce.781", "broadcast.149.clone.63", "cond/branch_0_fun/Block_11/Dense_0/dot")
+  assert [tpu_live.kind(n) for n in names] == ["all-reduce", "broadcast", "Block_*/Dense_*/dot"]

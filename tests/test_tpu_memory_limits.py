@@ -3,8 +3,9 @@
 ``benchmarks/results/memory_table.json`` holds each model's steps against what their maths needs
 (``benchmarks/memory_table.py``). Each TPU cell it marks met is compiled here again, the step and
 its reference at the recorded model, batch and topology, and must still be met: a change that
-brings held buffers back fails here. The missed cells are left to the table, which says what holds
-them. The decoder's all-reduce counts against optax.contrib.sam's are guarded too.
+brings held buffers back fails here. Each missed cell must carry what is live at its peak
+(``benchmarks/tpu_live.py``'s dumps, in the table), checked without compiling. The decoder's
+all-reduce counts against optax.contrib.sam's are guarded too.
 
 Needs libtpu (the ``tpu-compile`` extra; without it these tests fail, they do not skip) and takes
 about 25 minutes on two cores, so it runs apart from the README's suite, one worker per class
@@ -12,32 +13,23 @@ about 25 minutes on two cores, so it runs apart from the README's suite, one wor
 ``python -m pytest -n 2 --dist loadscope -m tpu_limits tests/test_tpu_memory_limits.py``.
 """
 
-import concurrent.futures
 import functools
 import json
-import multiprocessing
 
-import jax
 import memory_table  # benchmarks/ (pyproject.toml's pythonpath)
 import pytest
 import tpu_compile
+import tpu_live
 import tpu_sharded
-from compiled_hlo import analyse
-from tpu_decoder import DecoderConfig
-from tpu_mlp import MLPConfig
-from tpu_vit import ViTConfig
 
 pytestmark = pytest.mark.usefixtures("no_compilation_cache")  # conftest.py: none for a TPU
 
-RESULTS = memory_table.RESULTS
-DECODER = "FSDP decoder 1.04B, v4-64"
-MLP = "FSDP residual MLP 537M, v4-64"
-VIT = "ViT-B/32 replicated, v3-64"
-VIT_MICROBATCHES = "ViT-B/32 replicated, v3-64, 256 images"
+DECODER, MLP, VIT, VIT_MICROBATCHES = (
+  tpu_live.MODELS[k] for k in ("decoder", "mlp", "vit", "vit256")
+)
 # The table's TPU models -> (the result file whose "model", topology and batch they were compiled
 # at, memory_table's (label, row, reference, needs) steps of that model).
 MODELS = memory_table.TPU_MODELS
-VIT_MICROBATCH_BATCH = memory_table.VIT_MICROBATCH_BATCH
 # How many cells of each model the table marks met: re-recording the results that changes a
 # verdict changes this line too, so no cell leaves the guard unseen.
 MET_CELLS = {DECODER: 3, MLP: 10, VIT: 6, VIT_MICROBATCHES: 6}
@@ -45,76 +37,22 @@ MET_CELLS = {DECODER: 3, MLP: 10, VIT: 6, VIT_MICROBATCHES: 6}
 
 def _met_cells(models) -> list:
   """(model, label, over, dtype) of every cell of ``models`` the recorded table marks met."""
-  table = json.loads((RESULTS / "memory_table.json").read_text())["rows"]
-  cells = []
-  for row in table:
-    if row["model"].startswith("CPU") or row["step"].endswith("(reference)"):
-      continue  # the CPU rows: tests/test_microbatches.py; references have no verdict
-    if row["model"] not in MODELS:
-      raise ValueError(f"memory_table.json has a TPU model this guard does not know: {row}")
-    for dtype in ("f32", "bf16"):
-      if row["model"] in models and row.get(dtype, {}).get("met"):
-        cells.append((row["model"], row["step"], row["over"], dtype))
-  return cells
-
-
-def _step(model: str, label: str, over: str) -> tuple:
-  """(row name, reference, needs) of a table row, from memory_table's step lists."""
-  found = [s[1:] for s in MODELS[model][1] if s[0] == label and s[2] == over]
-  assert len(found) == 1, (model, label, over)
-  return found[0]
-
-
-def _recorded_rows(model: str) -> dict:
-  """The recorded rows of ``model`` by (contender, dtype)."""
-  recorded = json.loads((RESULTS / MODELS[model][0]).read_text())
-  rows = recorded["rows"]
-  if model == VIT_MICROBATCHES:
-    rows = [r for r in rows if r.get("batch") == VIT_MICROBATCH_BATCH]
-  return {(r["contender"], r["dtype"]): r for r in rows}
+  return tpu_live.table_cells(models, verdict=True)
 
 
 @functools.cache
 def _compiled_row(model: str, name: str, dtype: str) -> dict:
-  """One step's figures compiled now, at the model, batch and topology its result file records.
-
-  Each compile runs in a fresh process: the TPU compiler keeps much of what it allocated, and a
-  process that compiled the ViT's programs one after another grew past 15 GB.
-  """
-  context = multiprocessing.get_context("spawn")
-  with concurrent.futures.ProcessPoolExecutor(1, mp_context=context) as pool:
-    row = pool.submit(_compile, model, name, dtype).result()
+  """One step's figures compiled now, in a fresh process, at the model, batch and topology its
+  result file records."""
+  row = tpu_live.in_fresh_process(tpu_live.compile_recorded, model, name, dtype)
   # The arguments (params, optimizer state, batch) fix the model, batch and layout: the program
   # compiled is the one recorded.
-  assert row["argument_bytes"] == _recorded_rows(model)[name, dtype]["argument_bytes"], name
+  assert row["argument_bytes"] == tpu_live.recorded_rows(model)[name, dtype]["argument_bytes"], name
   return row
 
 
-def _compile(model: str, name: str, dtype: str) -> dict:
-  """:func:`_compiled_row`'s compile, in the child process (no persistent compilation cache)."""
-  jax.config.update("jax_enable_compilation_cache", False)
-  recorded = json.loads((RESULTS / MODELS[model][0]).read_text())
-  config = {k: v for k, v in recorded["model"].items() if k != "name"}
-  if model in (DECODER, MLP):
-    kind = DecoderConfig if model == DECODER else MLPConfig
-    mesh = tpu_sharded.tpu_mesh(recorded["topology"])
-    row, _ = tpu_sharded.compile_row(mesh, kind(**config), dtype, name, recorded["per_core_batch"])
-    return row
-  mesh = tpu_compile.tpu_mesh(recorded["topology"])
-  if model == VIT_MICROBATCHES:
-    method = name.rsplit(" mb=", 1)[0]
-    contender = tpu_compile.microbatch_contender(4, "whole", method)
-    per_core = VIT_MICROBATCH_BATCH
-  else:
-    contender, per_core = tpu_compile.CONTENDERS[name], recorded["per_core_batch"]
-  compiled, param_bytes, _ = tpu_compile.compile_step(
-    mesh, ViTConfig(**config), tpu_compile.DTYPES[dtype], contender, per_core
-  )
-  return {"param_bytes": param_bytes, **analyse(compiled)}
-
-
 def _check(model: str, label: str, over: str, dtype: str) -> None:
-  name, reference, needs = _step(model, label, over)
+  name, reference, needs = tpu_live.step_of(model, label, over)
   cell = memory_table.tpu_cell(
     _compiled_row(model, name, dtype), _compiled_row(model, reference, dtype), needs
   )
@@ -152,7 +90,7 @@ def test_every_met_cell_is_guarded_with_steps_the_scripts_build():
   assert {m: sum(c[0] == m for c in cells) for m in MODELS} == MET_CELLS
   microbatch_methods = [*tpu_compile.MICROBATCH_METHODS, tpu_compile.MICROBATCH_BASELINE]
   for model, label, over, dtype in cells:
-    name, reference, _ = _step(model, label, over)
+    name, reference, _ = tpu_live.step_of(model, label, over)
     if model in (DECODER, MLP):
       known = set(tpu_sharded.CONTENDERS)
     elif model == VIT_MICROBATCHES:
@@ -160,4 +98,25 @@ def test_every_met_cell_is_guarded_with_steps_the_scripts_build():
     else:
       known = set(tpu_compile.CONTENDERS)
     assert {name, reference} <= known, (model, name, reference)
-    assert {(name, dtype), (reference, dtype)} <= set(_recorded_rows(model)), (model, name)
+    assert {(name, dtype), (reference, dtype)} <= set(tpu_live.recorded_rows(model)), (model, name)
+
+
+def test_every_missed_cell_has_its_live_buffers_dumped():
+  """Each TPU cell the table marks missed carries ``tpu_live.py``'s split of its excess into the
+  buffers live at the peak over its reference's and the heap's packing, read from the programs
+  the table records (the same data peaks)."""
+  live = json.loads((memory_table.RESULTS / memory_table.LIVE).read_text())
+  dumped = {(c["model"], c["step"], c["over"], c["dtype"]): c for c in live["cells"]}
+  missed = tpu_live.table_cells(tuple(MODELS), verdict=False)
+  assert set(dumped) == set(missed)
+  table = json.loads((memory_table.RESULTS / "memory_table.json").read_text())["rows"]
+  rows = {(r["model"], r["step"], r["over"]): r for r in table}
+  for key in missed:
+    entry, cell = rows[key[:3]][key[3]], dumped[key]
+    if "ratio" in cell:
+      assert cell["ratio"] == pytest.approx(entry["ratio"], rel=1e-9), key
+      assert entry["live_ratio"] == cell["live_ratio"], key
+    else:
+      assert cell["over_P"] == pytest.approx(entry["over_P"], abs=1e-9), key
+      assert entry["live_over_P"] == cell["live_over_P"], key
+      assert cell["live_over_P"] + cell["packing_P"] == pytest.approx(cell["over_P"]), key

@@ -84,6 +84,8 @@ def test_peak_breakdown_is_read_from_the_live_range_dump():
                      ("opt_state[1][0].mu['pos']", 2048)]  # fmt: skip
   assert tpu_buffers.peak_bytes(text) == 3430264
   assert tpu_buffers.grouped(buffers) == {"add": (2, 524292), "opt_state (argument)": (1, 2048)}
+  assert tpu_buffers.label("args[1][1][0].mu['Block_0']['kernel']") == "args[1] (argument)"
+  assert tpu_buffers.slug("f32 gsam mb=4") == "f32_gsam_mb4"
 
 
 # A decoder whose logits dominate its activations, FSDP over a v4-64's 64 cores: per core 4

@@ -1,0 +1,267 @@
+"""What each missed memory cell holds at its peak on the TPU compiler: live buffers or packing.
+
+``results/memory_table.json`` marks each TPU cell met or missed from the compiled data peak
+(argument + output - alias + temp). For every missed cell this script compiles the step and its
+reference again, at the model, batch and topology their result file records, with XLA's dumps,
+and reads the live-range dump's breakdown of the peak (``tpu_buffers.py``): the bytes of every
+buffer live at the step's peak, arguments included. The data peak splits in two:
+
+* **live**: what is live at the peak. Its excess over the reference's live bytes, in ``P``, is
+  what the step holds beyond the reference: the number to hold against what the maths needs.
+* **packing**: the rest, the heap's size beyond its live bytes. The TPU compiler places buffers
+  of different lifetimes in one address space; the gaps their placement leaves count in the
+  temporary allocation though nothing is live in them.
+
+A cell whose live excess stays within the maths' need is missed by the heap's packing, not by a
+held buffer; one beyond it names the groups of buffers that hold the extra (``top``).
+
+    python benchmarks/tpu_live.py                    # every missed TPU cell (about 40 minutes)
+    python benchmarks/tpu_live.py --models decoder   # one model's cells; --dumps DIR keeps dumps
+
+Writes ``results/tpu_live.json``, which ``memory_table.py`` reads into the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import multiprocessing
+import os
+import pathlib
+import re
+import sys
+import tempfile
+from typing import Any
+
+# Compile only: no TPU is attached, so JAX itself runs on the CPU (read when jax is imported).
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+
+import memory_table  # the benchmarks folder is on sys.path when a script runs
+import tpu_buffers
+from compiled_hlo import data_peak
+from reporting import code_version
+
+GiB = 2**30
+MiB = 2**20
+MODELS = {  # command-line name -> memory_table's model label
+  "decoder": "FSDP decoder 1.04B, v4-64",
+  "mlp": "FSDP residual MLP 537M, v4-64",
+  "vit": "ViT-B/32 replicated, v3-64",
+  "vit256": "ViT-B/32 replicated, v3-64, 256 images",
+}
+OUT = memory_table.RESULTS / "tpu_live.json"
+
+
+def compile_recorded(model: str, name: str, dtype: str, dump: str | None = None) -> dict:
+  """One step's compiled figures at the model, batch and topology its result file records.
+
+  Run it in a fresh process (:func:`in_fresh_process`): the persistent compilation cache is
+  switched off here (a cached program would be neither compiled nor dumped), and ``dump``, a
+  folder for XLA's dumps, must reach the TPU backend before it starts.
+  """
+  if dump:
+    flags = f"--xla_dump_to={dump} --xla_dump_hlo_as_text"
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flags).strip()
+  import jax
+  import tpu_compile
+  import tpu_sharded
+  from compiled_hlo import analyse
+  from tpu_decoder import DecoderConfig
+  from tpu_mlp import MLPConfig
+  from tpu_vit import ViTConfig
+
+  jax.config.update("jax_enable_compilation_cache", False)
+  recorded = json.loads((memory_table.RESULTS / memory_table.TPU_MODELS[model][0]).read_text())
+  config = {k: v for k, v in recorded["model"].items() if k != "name"}
+  if model in (MODELS["decoder"], MODELS["mlp"]):
+    kind = DecoderConfig if model == MODELS["decoder"] else MLPConfig
+    mesh = tpu_sharded.tpu_mesh(recorded["topology"])
+    row, compiled = tpu_sharded.compile_row(
+      mesh, kind(**config), dtype, name, recorded["per_core_batch"]
+    )
+  else:
+    mesh = tpu_compile.tpu_mesh(recorded["topology"])
+    if model == MODELS["vit256"]:
+      method = name.rsplit(" mb=", 1)[0]
+      contender = tpu_compile.microbatch_contender(4, "whole", method)
+      per_core = memory_table.VIT_MICROBATCH_BATCH
+    else:
+      contender, per_core = tpu_compile.CONTENDERS[name], recorded["per_core_batch"]
+    compiled, param_bytes, _ = tpu_compile.compile_step(
+      mesh, ViTConfig(**config), tpu_compile.DTYPES[dtype], contender, per_core
+    )
+    row = {"param_bytes": param_bytes, **analyse(compiled)}
+  row["module"] = compiled.as_text().split(None, 2)[1].rstrip(",")  # "HloModule jit_step, ..."
+  return row
+
+
+def in_fresh_process(fn, *args):
+  """``fn(*args)`` in a spawned process: the TPU compiler keeps much of what it allocated, and a
+  process that compiled the ViT's programs one after another grew past 15 GB."""
+  context = multiprocessing.get_context("spawn")
+  with concurrent.futures.ProcessPoolExecutor(1, mp_context=context) as pool:
+    return pool.submit(fn, *args).result()
+
+
+def recorded_rows(model: str) -> dict:
+  """The recorded rows of ``model`` by (contender, dtype)."""
+  recorded = json.loads((memory_table.RESULTS / memory_table.TPU_MODELS[model][0]).read_text())
+  rows = recorded["rows"]
+  if model == MODELS["vit256"]:
+    rows = [r for r in rows if r.get("batch") == memory_table.VIT_MICROBATCH_BATCH]
+  return {(r["contender"], r["dtype"]): r for r in rows}
+
+
+def step_of(model: str, label: str, over: str) -> tuple:
+  """(row name, reference, needs) of a table row, from memory_table's step lists."""
+  found = [s[1:] for s in memory_table.TPU_MODELS[model][1] if s[0] == label and s[2] == over]
+  if len(found) != 1:
+    raise ValueError(f"memory_table.TPU_MODELS has no single step {label!r} over {over!r}")
+  return found[0]
+
+
+def table_cells(models, verdict: bool) -> list[tuple[str, str, str, str]]:
+  """(model, label, over, dtype) of every TPU cell of ``models`` whose met is ``verdict``."""
+  table = json.loads((memory_table.RESULTS / "memory_table.json").read_text())["rows"]
+  cells = []
+  for row in table:
+    if row["model"].startswith("CPU") or row["step"].endswith("(reference)"):
+      continue  # the CPU rows: tests/test_microbatches.py; references have no verdict
+    if row["model"] not in memory_table.TPU_MODELS:
+      raise ValueError(f"memory_table.json has a TPU model the scripts do not know: {row}")
+    for dtype in ("f32", "bf16"):
+      entry = row.get(dtype)
+      if row["model"] in models and entry is not None and entry["met"] == verdict:
+        cells.append((row["model"], row["step"], row["over"], dtype))
+  return cells
+
+
+def kind(label: str) -> str:
+  """A buffer group's kind, without XLA's instruction numbers (``all-reduce.781`` ->
+  ``all-reduce``), the layers' (``Block_3/`` -> ``Block_*/``) or a ``lax.cond``'s branch, so
+  that two programs' peaks (a conditional's and its static step's) compare group by group."""
+  label = re.sub(r"(\.(clone|\d+))+$", "", label)
+  return re.sub(r"_\d+/", "_*/", re.sub(r"cond/branch_\d+_fun/", "", label))
+
+
+def read_dump(folder: pathlib.Path, module: str) -> dict[str, Any]:
+  """What is live at the peak of ``module``'s dump in ``folder``: the bytes, and by kind."""
+  text = tpu_buffers.read(folder, module)
+  kinds: dict[str, int] = {}
+  for group, (_, size) in tpu_buffers.grouped(tpu_buffers.peak_buffers(text)).items():
+    kinds[kind(group)] = kinds.get(kind(group), 0) + size
+  kept = {k: b for k, b in sorted(kinds.items(), key=lambda kv: -kv[1]) if b >= MiB}
+  return {"live_bytes": tpu_buffers.peak_bytes(text), "kinds": kept}
+
+
+def _dumped_program(model: str, name: str, dtype: str, folder: pathlib.Path) -> dict:
+  """The step compiled with dumps into ``folder``; its figures and what is live at its peak."""
+  folder.mkdir(parents=True, exist_ok=True)
+  row = in_fresh_process(compile_recorded, model, name, dtype, str(folder))
+  if row["argument_bytes"] != recorded_rows(model)[name, dtype]["argument_bytes"]:
+    raise RuntimeError(f"{model} {dtype} {name}: not the recorded program (argument bytes)")
+  return {
+    "module": row["module"],
+    "data_peak_bytes": data_peak(row),
+    "param_bytes": row.get("param_bytes_per_core") or row["param_bytes"],
+    **read_dump(folder, row["module"]),
+  }
+
+
+def live_cell(step: dict, reference: dict, needs: int | str) -> dict[str, Any]:
+  """A missed cell split into the live excess over its reference and the heap's packing, in P
+  (a ratio cell: the live bytes' ratio beside the data peaks'), with the kinds of buffer that
+  the step holds most beyond the reference at their peaks (``held``, in P)."""
+  p = step["param_bytes"]
+  extra = {k: (b - reference["kinds"].get(k, 0)) / p for k, b in step["kinds"].items()}
+  held = [[k, round(v, 2)] for k, v in sorted(extra.items(), key=lambda kv: -kv[1])[:3] if v > 0]
+  if isinstance(needs, str):
+    return {
+      "ratio": step["data_peak_bytes"] / reference["data_peak_bytes"],
+      "live_ratio": step["live_bytes"] / reference["live_bytes"],
+      "held": held,
+    }
+  over = (step["data_peak_bytes"] - reference["data_peak_bytes"]) / p
+  live_over = (step["live_bytes"] - reference["live_bytes"]) / p
+  return {"over_P": over, "live_over_P": live_over, "packing_P": over - live_over, "held": held}
+
+
+def collect(
+  models: list[str], root: pathlib.Path, out: pathlib.Path, from_dumps: bool = False
+) -> dict:
+  """Every missed cell of ``models``: its programs dumped and read, written to ``out`` as it goes.
+
+  ``from_dumps``: no compiling; ``out``'s programs are read again from their dumps under ``root``.
+  """
+  result: dict[str, Any] = {
+    "command": " ".join(["python benchmarks/tpu_live.py", *sys.argv[1:]]),
+    "code": code_version(),
+    "programs": {},
+    "cells": [],
+  }
+  if out.exists():  # keep the other models' cells (and, from the dumps, these models' programs)
+    kept = json.loads(out.read_text())
+    result["code"] = kept["code"] if from_dumps else result["code"]
+    result["programs"] = {
+      k: v for k, v in kept["programs"].items() if from_dumps or k.split(" | ")[0] not in models
+    }
+    result["cells"] = [c for c in kept["cells"] if c["model"] not in models]
+  programs = result["programs"]
+  for model, label, over, dtype in table_cells(models, verdict=False):
+    name, reference, needs = step_of(model, label, over)
+    for program in (name, reference):
+      key = f"{model} | {program} | {dtype}"
+      folder = root / tpu_buffers.slug(f"{model} {dtype} {program}")
+      if from_dumps:
+        programs[key].update(read_dump(folder, programs[key]["module"]))
+      elif key not in programs:
+        programs[key] = _dumped_program(model, program, dtype, folder)
+        print(f"  {key}: live {programs[key]['live_bytes'] / GiB:.3f} GiB at the peak of "
+              f"{programs[key]['data_peak_bytes'] / GiB:.3f}", flush=True)  # fmt: skip
+    cell = live_cell(programs[f"{model} | {name} | {dtype}"],
+                     programs[f"{model} | {reference} | {dtype}"], needs)  # fmt: skip
+    result["cells"].append(
+      {"model": model, "step": label, "over": over, "dtype": dtype, "needs": needs, **cell}
+    )
+    out.write_text(json.dumps(result, indent=2) + "\n")
+  return result
+
+
+def format_cells(cells: list[dict]) -> str:
+  lines = ["| model | step | over | dtype | needs | over (P) | live over (P) | packing (P) |",
+           "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+  for c in cells:
+    if "ratio" in c:
+      figures = f"{c['ratio']:.3f}x | {c['live_ratio']:.3f}x | -"
+    else:
+      figures = f"{c['over_P']:+.2f} | {c['live_over_P']:+.2f} | {c['packing_P']:+.2f}"
+    lines.append(f"| {c['model']} | {c['step']} | {c['over']} | {c['dtype']} | {c['needs']} | "
+                 f"{figures} |")  # fmt: skip
+  return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
+  parser.add_argument("--dumps", type=pathlib.Path, default=None, help="keep the dumps here")
+  parser.add_argument("--out", type=pathlib.Path, default=OUT)
+  parser.add_argument(
+    "--from-dumps", action="store_true", help="no compiling: read --out's programs from --dumps"
+  )
+  args = parser.parse_args(argv)
+  if args.from_dumps and not args.dumps:
+    parser.error("--from-dumps reads the dumps a run kept with --dumps DIR: give --dumps DIR")
+  with tempfile.TemporaryDirectory() as scratch:
+    root = args.dumps or pathlib.Path(scratch)
+    result = collect([MODELS[m] for m in args.models], root, args.out, args.from_dumps)
+  print(format_cells(result["cells"]))
+  print(f"wrote {args.out}")
+  return result
+
+
+if __name__ == "__main__":
+  main()
