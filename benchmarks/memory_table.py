@@ -32,7 +32,10 @@ LIVE = "tpu_live.json"  # what is live at each missed TPU cell's peak (tpu_live.
 FILES = ("tpu_sharded.json", "tpu_sharded_mlp.json", "tpu_compile.json",
          "tpu_compile_microbatches.json", "microbatches_memory.json", LIVE)  # fmt: skip
 GiB = 2**30
-LIVE_TOLERANCE_P = 0.005  # a live excess that rounds to the need in the table's two decimals
+MiB = 2**20
+# A live excess within the need by at most this counts as within: tpu_live.py keeps the kinds of
+# buffer from 1 MiB up, so less than that is scalars and small buffers, not a parameter buffer.
+LIVE_TOLERANCE_BYTES = MiB
 
 # (label, row, reference row, P the maths needs over the reference)
 TPU_STEPS = (
@@ -61,13 +64,20 @@ VIT_MICROBATCH_STEPS = (  # 4 micro-batches of 64 images per core, against AdamW
 )
 CPU_STEPS = (("gsam", 2), ("sam", 2), ("sam diagnostics=False", 1))
 VIT_MICROBATCH_BATCH = 256  # images per core of the micro-batched ViT rows
-# The TPU models of the table: label -> (result file, steps). tests/test_tpu_memory_limits.py
-# compiles their met cells again from the same entries.
+# The TPU models of the table by short name (tpu_live.py's --models) and label.
+TPU_MODEL_LABELS = {
+  "decoder": "FSDP decoder 1.04B, v4-64",
+  "mlp": "FSDP residual MLP 537M, v4-64",
+  "vit": "ViT-B/32 replicated, v3-64",
+  "vit256": "ViT-B/32 replicated, v3-64, 256 images",
+}
+# label -> (result file, steps). tests/test_tpu_memory_limits.py compiles their met cells again
+# from the same entries.
 TPU_MODELS = {
-  "FSDP decoder 1.04B, v4-64": ("tpu_sharded.json", TPU_STEPS),
-  "FSDP residual MLP 537M, v4-64": ("tpu_sharded_mlp.json", TPU_STEPS),
-  "ViT-B/32 replicated, v3-64": ("tpu_compile.json", VIT_STEPS),
-  "ViT-B/32 replicated, v3-64, 256 images": ("tpu_compile_microbatches.json", VIT_MICROBATCH_STEPS),
+  TPU_MODEL_LABELS["decoder"]: ("tpu_sharded.json", TPU_STEPS),
+  TPU_MODEL_LABELS["mlp"]: ("tpu_sharded_mlp.json", TPU_STEPS),
+  TPU_MODEL_LABELS["vit"]: ("tpu_compile.json", VIT_STEPS),
+  TPU_MODEL_LABELS["vit256"]: ("tpu_compile_microbatches.json", VIT_MICROBATCH_STEPS),
 }
 
 
@@ -122,14 +132,23 @@ def _at_batch(result: dict, batch: int) -> dict:
 
 
 def _add_live(rows: list[dict], live: dict) -> None:
-  """Each missed TPU cell's live excess over its reference (``tpu_live.py``'s dumps), in place."""
+  """Each missed TPU cell's live excess over its reference (``tpu_live.py``'s dumps), in place.
+
+  A cell whose dumped programs are not the recorded ones (another excess: results recorded since)
+  is left out, with a warning: run ``tpu_live.py`` again, then this script.
+  """
   found = {(c["model"], c["step"], c["over"], c["dtype"]): c for c in live["cells"]}
   for row in rows:
     for dtype in ("f32", "bf16"):
       cell = found.get((row["model"], row["step"], row["over"], dtype))
-      if cell is not None and dtype in row and not row[dtype]["met"]:
-        keys = ("live_over_P", "packing_P", "live_ratio")
-        row[dtype].update({k: cell[k] for k in keys if k in cell})
+      if cell is None or dtype not in row or row[dtype]["met"]:
+        continue
+      measure = "ratio" if "ratio" in cell else "over_P"
+      if abs(cell[measure] - row[dtype][measure]) > 1e-9:
+        print(f"warning: {LIVE} is stale for {row['model']} {row['step']} {dtype}: left out")
+        continue
+      keys = ("live_over_P", "packing_P", "live_ratio", "param_bytes")
+      row[dtype].update({k: cell[k] for k in keys if k in cell})
 
 
 def collect() -> list[dict]:
@@ -161,13 +180,13 @@ def _cell(entry: dict | None) -> str:
 
 
 def live_within_needs(entry: dict, needs: int | str) -> bool | None:
-  """Whether a missed cell's live buffers stay within the maths' need (so that the heap's
-  packing holds the excess), to the table's two decimals (``LIVE_TOLERANCE_P``: scalars and
-  other small buffers hold no parameter buffer); None where ``tpu_live.py`` has not dumped it."""
+  """Whether a missed cell's live buffers stay within the maths' need (within
+  ``LIVE_TOLERANCE_BYTES``), so that the rest of its excess is the heap's packing; None where
+  ``tpu_live.py`` has not dumped it."""
   if "live_ratio" in entry:
     return entry["live_ratio"] <= float(str(needs).rstrip("x"))
   if "live_over_P" in entry:
-    return entry["live_over_P"] <= float(needs) + LIVE_TOLERANCE_P
+    return entry["live_over_P"] <= float(needs) + LIVE_TOLERANCE_BYTES / entry["param_bytes"]
   return None
 
 
@@ -186,12 +205,10 @@ def _verdict(row: dict) -> str:
     return text
   if all(live):
     return text + " (live within the need: packing)"
-  return (
-    text
-    + " (live over the need: "
-    + ", ".join(d for d, ok in zip(missed, live, strict=True) if not ok)
-    + ")"
-  )
+  parts = [
+    f"{d} {'packing' if ok else 'live over the need'}" for d, ok in zip(missed, live, strict=True)
+  ]
+  return text + " (" + "; ".join(parts) + ")"
 
 
 def markdown(rows: list[dict]) -> str:

@@ -48,7 +48,7 @@ def label(name: str) -> str:
     return "params (argument)"
   if name.startswith("copy-start"):
     return "copy-start (argument copies)"
-  name = re.sub(r"\{\d+\}$", "", name.removeprefix("jit(step)/"))
+  name = re.sub(r"\{\d+\}$", "", re.sub(r"^jit\(\w+\)/(shard_map/)?", "", name))
   return name
 
 
@@ -63,17 +63,16 @@ def grouped(buffers: list[tuple[str, int]]) -> dict[str, tuple[int, int]]:
 
 
 def read(folder: pathlib.Path, module: str = "jit_step") -> str:
-  """The live-range dump of the program ``module`` in ``folder`` (its last, if dumped twice)."""
-  found = sorted(
-    folder.glob(f"*.{module}.*after_optimizations-live-range.txt"), key=lambda p: p.stat().st_mtime
-  )
+  """The live-range dump of the program ``module`` in ``folder`` (the last one XLA numbered, if
+  dumped twice: ``module_0007.jit_step...`` after ``module_0000.jit_step...``)."""
+  found = sorted(folder.glob(f"module_*.{module}.*after_optimizations-live-range.txt"))
   if not found:
     raise FileNotFoundError(f"no live-range dump of {module} in {folder}")
   return found[-1].read_text()
 
 
 def slug(row: str) -> str:
-  """A folder name for a row's dumps (``f32 gsam mb=4`` -> ``f32-gsam_mb4``)."""
+  """A folder name for a row's dumps (``f32 gsam mb=4`` -> ``f32_gsam_mb4``)."""
   return row.replace(", ", "_").replace(" ", "_").replace("=", "").replace("/", "")
 
 

@@ -4,19 +4,26 @@
 (argument + output - alias + temp). For every missed cell this script compiles the step and its
 reference again, at the model, batch and topology their result file records, with XLA's dumps,
 and reads the live-range dump's breakdown of the peak (``tpu_buffers.py``): the bytes of every
-buffer live at the step's peak, arguments included. The data peak splits in two:
+buffer live at the step's peak, arguments included. The cell's excess over its reference (the
+difference of the data peaks, in ``P``) splits in two:
 
-* **live**: what is live at the peak. Its excess over the reference's live bytes, in ``P``, is
-  what the step holds beyond the reference: the number to hold against what the maths needs.
-* **packing**: the rest, the heap's size beyond its live bytes. The TPU compiler places buffers
-  of different lifetimes in one address space; the gaps their placement leaves count in the
-  temporary allocation though nothing is live in them.
+* **live**: the step's live bytes at its peak less the reference's at its own: what the step
+  holds beyond the reference, the number to hold against what the maths needs;
+* **packing**: the rest, the step's allocation beyond its live bytes less the reference's (the
+  TPU compiler places buffers of different lifetimes in one address space, and the gaps count
+  in the temporary allocation though nothing is live in them; negative where the step packs
+  tighter than its reference).
 
 A cell whose live excess stays within the maths' need is missed by the heap's packing, not by a
-held buffer; one beyond it names the groups of buffers that hold the extra (``top``).
+held buffer. Beside it, by kind of buffer (XLA's names without instruction numbers), ``held``
+lists the kinds with the most more bytes live at the step's peak than at the reference's and
+``released`` those with the most fewer: gross figures, which name what a held excess is made of
+where both compiles name their buffers alike.
 
+    python benchmarks/memory_table.py                # the verdicts, from the recorded results
     python benchmarks/tpu_live.py                    # every missed TPU cell (about 40 minutes)
     python benchmarks/tpu_live.py --models decoder   # one model's cells; --dumps DIR keeps dumps
+    python benchmarks/memory_table.py                # the table again, with the live excess
 
 Writes ``results/tpu_live.json``, which ``memory_table.py`` reads into the table.
 """
@@ -45,14 +52,8 @@ import tpu_buffers
 from compiled_hlo import data_peak
 from reporting import code_version
 
-GiB = 2**30
-MiB = 2**20
-MODELS = {  # command-line name -> memory_table's model label
-  "decoder": "FSDP decoder 1.04B, v4-64",
-  "mlp": "FSDP residual MLP 537M, v4-64",
-  "vit": "ViT-B/32 replicated, v3-64",
-  "vit256": "ViT-B/32 replicated, v3-64, 256 images",
-}
+GiB, MiB = memory_table.GiB, memory_table.MiB
+MODELS = memory_table.TPU_MODEL_LABELS  # command-line name -> the table's model label
 OUT = memory_table.RESULTS / "tpu_live.json"
 
 
@@ -166,6 +167,7 @@ def _dumped_program(model: str, name: str, dtype: str, folder: pathlib.Path) -> 
     raise RuntimeError(f"{model} {dtype} {name}: not the recorded program (argument bytes)")
   return {
     "module": row["module"],
+    "code": code_version(),
     "data_peak_bytes": data_peak(row),
     "param_bytes": row.get("param_bytes_per_core") or row["param_bytes"],
     **read_dump(folder, row["module"]),
@@ -174,20 +176,29 @@ def _dumped_program(model: str, name: str, dtype: str, folder: pathlib.Path) -> 
 
 def live_cell(step: dict, reference: dict, needs: int | str) -> dict[str, Any]:
   """A missed cell split into the live excess over its reference and the heap's packing, in P
-  (a ratio cell: the live bytes' ratio beside the data peaks'), with the kinds of buffer that
-  the step holds most beyond the reference at their peaks (``held``, in P)."""
+  (a ratio cell: the live bytes' ratio beside the data peaks'), with the kinds of buffer of
+  which the step's peak holds the most more (``held``) and the most fewer (``released``) bytes
+  than the reference's, in P."""
   p = step["param_bytes"]
-  extra = {k: (b - reference["kinds"].get(k, 0)) / p for k, b in step["kinds"].items()}
-  held = [[k, round(v, 2)] for k, v in sorted(extra.items(), key=lambda kv: -kv[1])[:3] if v > 0]
+  kinds = step["kinds"].keys() | reference["kinds"].keys()
+  change = {
+    k: round((step["kinds"].get(k, 0) - reference["kinds"].get(k, 0)) / p, 2) for k in kinds
+  }
+  ranked = sorted(change.items(), key=lambda kv: (-kv[1], kv[0]))
+  kinds_held = {
+    "held": [[k, v] for k, v in ranked[:3] if v > 0],
+    "released": [[k, v] for k, v in ranked[::-1][:3] if v < 0],
+  }
   if isinstance(needs, str):
     return {
       "ratio": step["data_peak_bytes"] / reference["data_peak_bytes"],
       "live_ratio": step["live_bytes"] / reference["live_bytes"],
-      "held": held,
+      **kinds_held,
     }
   over = (step["data_peak_bytes"] - reference["data_peak_bytes"]) / p
   live_over = (step["live_bytes"] - reference["live_bytes"]) / p
-  return {"over_P": over, "live_over_P": live_over, "packing_P": over - live_over, "held": held}
+  return {"over_P": over, "live_over_P": live_over, "packing_P": over - live_over,
+          "param_bytes": p, **kinds_held}  # fmt: skip
 
 
 def collect(
@@ -199,13 +210,11 @@ def collect(
   """
   result: dict[str, Any] = {
     "command": " ".join(["python benchmarks/tpu_live.py", *sys.argv[1:]]),
-    "code": code_version(),
-    "programs": {},
+    "programs": {},  # each with the code version it was compiled at
     "cells": [],
   }
   if out.exists():  # keep the other models' cells (and, from the dumps, these models' programs)
     kept = json.loads(out.read_text())
-    result["code"] = kept["code"] if from_dumps else result["code"]
     result["programs"] = {
       k: v for k, v in kept["programs"].items() if from_dumps or k.split(" | ")[0] not in models
     }

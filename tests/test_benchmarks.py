@@ -324,9 +324,13 @@ def test_a_missed_cell_splits_into_live_buffers_and_packing():
   assert math.isclose(cell["over_P"], 5.0) and math.isclose(cell["live_over_P"], 1.5)
   assert math.isclose(cell["packing_P"], 3.5)
   assert cell["held"] == [["all-reduce", 2.0], ["add", 0.5]]
+  assert cell["released"] == [["copy-start (argument copies)", -0.5]]
   ratio = tpu_live.live_cell(step, reference, "1.01x")
   assert math.isclose(ratio["ratio"], 1.5) and math.isclose(ratio["live_ratio"], 1.25)
-  assert memory_table.live_within_needs({"live_over_P": 1.5}, 2)
   assert not memory_table.live_within_needs({"live_ratio": 1.25}, "1.01x")
+  # Within the need up to 1 MiB (10 MiB parameters: 0.1 P), and no further.
+  assert memory_table.live_within_needs({**cell, "live_over_P": 2.09}, 2)
+  assert not memory_table.live_within_needs({**cell, "live_over_P": 2.11}, 2)
+  assert memory_table.live_within_needs({"over_P": 3.0}, 2) is None
   names = ("all-reduce.781", "broadcast.149.clone.63", "cond/branch_0_fun/Block_11/Dense_0/dot")
   assert [tpu_live.kind(n) for n in names] == ["all-reduce", "broadcast", "Block_*/Dense_*/dot"]

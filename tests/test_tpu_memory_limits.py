@@ -21,11 +21,12 @@ import pytest
 import tpu_compile
 import tpu_live
 import tpu_sharded
+from compiled_hlo import data_peak
 
 pytestmark = pytest.mark.usefixtures("no_compilation_cache")  # conftest.py: none for a TPU
 
 DECODER, MLP, VIT, VIT_MICROBATCHES = (
-  tpu_live.MODELS[k] for k in ("decoder", "mlp", "vit", "vit256")
+  memory_table.TPU_MODEL_LABELS[k] for k in ("decoder", "mlp", "vit", "vit256")
 )
 # The table's TPU models -> (the result file whose "model", topology and batch they were compiled
 # at, memory_table's (label, row, reference, needs) steps of that model).
@@ -104,19 +105,20 @@ def test_every_met_cell_is_guarded_with_steps_the_scripts_build():
 def test_every_missed_cell_has_its_live_buffers_dumped():
   """Each TPU cell the table marks missed carries ``tpu_live.py``'s split of its excess into the
   buffers live at the peak over its reference's and the heap's packing, read from the programs
-  the table records (the same data peaks)."""
+  the results record (the same data peaks), and the table shows it."""
   live = json.loads((memory_table.RESULTS / memory_table.LIVE).read_text())
   dumped = {(c["model"], c["step"], c["over"], c["dtype"]): c for c in live["cells"]}
   missed = tpu_live.table_cells(tuple(MODELS), verdict=False)
   assert set(dumped) == set(missed)
+  for key, program in live["programs"].items():
+    model, name, dtype = key.split(" | ")
+    assert program["data_peak_bytes"] == data_peak(tpu_live.recorded_rows(model)[name, dtype]), key
+    assert 0 < program["live_bytes"] <= program["data_peak_bytes"], key
   table = json.loads((memory_table.RESULTS / "memory_table.json").read_text())["rows"]
   rows = {(r["model"], r["step"], r["over"]): r for r in table}
   for key in missed:
     entry, cell = rows[key[:3]][key[3]], dumped[key]
-    if "ratio" in cell:
-      assert cell["ratio"] == pytest.approx(entry["ratio"], rel=1e-9), key
-      assert entry["live_ratio"] == cell["live_ratio"], key
-    else:
-      assert cell["over_P"] == pytest.approx(entry["over_P"], abs=1e-9), key
-      assert entry["live_over_P"] == cell["live_over_P"], key
-      assert cell["live_over_P"] + cell["packing_P"] == pytest.approx(cell["over_P"]), key
+    name, reference, _ = tpu_live.step_of(*key[:3])
+    assert {f"{key[0]} | {n} | {key[3]}" for n in (name, reference)} <= set(live["programs"]), key
+    live_key = "live_ratio" if "ratio" in cell else "live_over_P"
+    assert entry[live_key] == cell[live_key], key
