@@ -124,11 +124,26 @@ def save(
     **result,
   }
   stem = (name if mode == "full" else f"{name}_{mode}") + suffix
-  out_dir.mkdir(parents=True, exist_ok=True)
-  (out_dir / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
+  write_json(out_dir / f"{stem}.json", result)
   if plot is not None:
     plot(out_dir / f"{stem}.png")
   return result
+
+
+def write_json(path: Path, result: dict) -> None:
+  """``result`` as indented JSON at ``path``, its folder made if needed."""
+  path.parent.mkdir(parents=True, exist_ok=True)
+  path.write_text(json.dumps(result, indent=2) + "\n")
+
+
+def libtpu_version() -> str:
+  """The installed libtpu's version (the TPU compiler of the ahead-of-time scripts)."""
+  from importlib import metadata
+
+  try:
+    return metadata.version("libtpu")
+  except metadata.PackageNotFoundError:
+    return "unknown"
 
 
 def figure(*args, **kwargs) -> tuple[Any, Any]:

@@ -52,12 +52,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-# Compile only: no TPU is attached, so JAX itself runs on the CPU.
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
-os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
-
+import aot_env  # noqa: F401 (the compile-only environment, set before jax is imported)
 import jax
 import jax.numpy as jnp
 import optax
@@ -72,6 +67,8 @@ from jax.sharding import PartitionSpec as P
 from jax.sharding import SingleDeviceSharding
 from reporting import check
 from reporting import code_version
+from reporting import libtpu_version
+from reporting import write_json
 from tpu_report import format_table
 from tpu_report import targets
 from tpu_search import MAX_PROBE_BATCH as MAX_PROBE_BATCH  # re-exported for the tests
@@ -434,7 +431,7 @@ def step_table(args, mesh, result) -> None:
       rows.append({**row, "compile_s": seconds})
       print(f"  compiled {dtype} {name} in {seconds:.0f} s", flush=True)
       del compiled
-      _write(args.out, result)  # After every compile, so an interrupted run keeps what it did.
+      write_json(args.out, result)  # After every compile, so an interrupted run keeps what it did.
   names = list(CONTENDERS)
   rows.sort(key=lambda r: (r["dtype"] != "f32", names.index(r["contender"])))
   print(format_table(rows))
@@ -486,7 +483,7 @@ def microbatch_probes(args, mesh, result) -> None:
         rows.append({"dtype": dtype, "contender": name, "microbatches": k, **found})
         peak = found.get("peak_bytes", found.get("used_bytes", 0)) / GiB
         print(f"  {dtype} {name} at {args.per_core_batch}: peak {peak:.3f} GiB", flush=True)
-        _write(args.out, result)
+        write_json(args.out, result)
   print(format_microbatch_table(rows))
   result["targets"] = [check(*t) for t in microbatch_targets(rows, MICROBATCH_BASELINE)]
 
@@ -497,11 +494,11 @@ def main(argv: list[str] | None = None) -> dict:
     "command": " ".join(["python benchmarks/tpu_compile.py", *(argv or sys.argv[1:])]),
     "code": code_version(),
     "jax": jax.__version__,
-    "libtpu": _libtpu_version(),
+    "libtpu": libtpu_version(),
   }
   if args.gradient_cache:
     result.update(gradient_cache_table(args.cache_batches, 128, 128))
-    _write(args.out, result)
+    write_json(args.out, result)
     print(f"wrote {args.out}")
     return result
   mesh = tpu_mesh(args.topology)
@@ -520,29 +517,15 @@ def main(argv: list[str] | None = None) -> dict:
     result["batch_step"] = args.batch_step
     result["rows"] = max_batch_table(
       mesh, args.config, args.contenders, args.dtypes, args.batch_step,
-      save=lambda rows: _write(args.out, {**result, "rows": rows}), start=args.start_batch,
+      save=lambda rows: write_json(args.out, {**result, "rows": rows}), start=args.start_batch,
     )  # fmt: skip
     print(format_max_batch_table(result["rows"], args.batch_step))
   else:
     result.update(per_core_batch=args.per_core_batch, time_estimate_key="optimal_seconds")
     step_table(args, mesh, result)
-  _write(args.out, result)
+  write_json(args.out, result)
   print(f"wrote {args.out}")
   return result
-
-
-def _write(path: pathlib.Path, result: dict) -> None:
-  path.parent.mkdir(parents=True, exist_ok=True)
-  path.write_text(json.dumps(result, indent=2) + "\n")
-
-
-def _libtpu_version() -> str:
-  from importlib import metadata
-
-  try:
-    return metadata.version("libtpu")
-  except metadata.PackageNotFoundError:
-    return "unknown"
 
 
 if __name__ == "__main__":

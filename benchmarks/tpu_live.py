@@ -41,16 +41,12 @@ import sys
 import tempfile
 from typing import Any
 
-# Compile only: no TPU is attached, so JAX itself runs on the CPU (read when jax is imported).
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
-os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
-
+import aot_env  # noqa: F401 (the compile-only environment, set before jax is imported)
 import memory_table  # the benchmarks folder is on sys.path when a script runs
 import tpu_buffers
 from compiled_hlo import data_peak
 from reporting import code_version
+from reporting import write_json
 
 GiB, MiB = memory_table.GiB, memory_table.MiB
 MODELS = memory_table.TPU_MODEL_LABELS  # command-line name -> the table's model label
@@ -236,7 +232,7 @@ def collect(
     result["cells"].append(
       {"model": model, "step": label, "over": over, "dtype": dtype, "needs": needs, **cell}
     )
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(out, result)
   return result
 
 

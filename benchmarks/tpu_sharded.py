@@ -49,11 +49,7 @@ import shutil
 import sys
 import time
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
-os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
-
+import aot_env  # noqa: F401 (the compile-only environment, set before jax is imported)
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -65,7 +61,9 @@ from compiled_hlo import data_peak
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from reporting import code_version
+from reporting import libtpu_version
 from reporting import render_table
+from reporting import write_json
 from tpu_buffers import slug
 from tpu_decoder import DECODER_1B
 from tpu_decoder import DECODER_QUICK
@@ -441,7 +439,7 @@ def run_rows(args, mesh, result) -> list[dict]:
             f"compiled in {row['compile_s']:.1f} s ({row['compile_cpu_s']:.1f} CPU s)", flush=True)  # fmt: skip
       names = list(CONTENDERS)
       rows.sort(key=lambda r: (r["dtype"] != "f32", names.index(r["contender"])))
-      _write(args.out, result)
+      write_json(args.out, result)
   return rows
 
 
@@ -471,7 +469,7 @@ def main(argv: list[str] | None = None) -> dict:
     "command": " ".join(["python benchmarks/tpu_sharded.py", *(argv or sys.argv[1:])]),
     "code": code_version(),
     "jax": jax.__version__,
-    "libtpu": _libtpu_version(),
+    "libtpu": libtpu_version(),
     "topology": args.topology,
     "cores": mesh.size,
     "model": {"name": args.model, **dataclasses.asdict(args.config)},
@@ -492,23 +490,9 @@ def report(result: dict, out: pathlib.Path) -> dict:
   for t in result["targets"]:
     print(f"{t['target']}: {t['value']:.4g} (limit {t['limit']:.4g}) -> "
           f"{'met' if t['met'] else 'MISSED'}")  # fmt: skip
-  _write(out, result)
+  write_json(out, result)
   print(f"wrote {out}")
   return result
-
-
-def _write(path: pathlib.Path, result: dict) -> None:
-  path.parent.mkdir(parents=True, exist_ok=True)
-  path.write_text(json.dumps(result, indent=2) + "\n")
-
-
-def _libtpu_version() -> str:
-  from importlib import metadata
-
-  try:
-    return metadata.version("libtpu")
-  except metadata.PackageNotFoundError:
-    return "unknown"
 
 
 if __name__ == "__main__":
