@@ -126,9 +126,14 @@ def _cpu_rows(result: dict) -> list[dict]:
   return rows
 
 
-def _at_batch(result: dict, batch: int) -> dict:
-  """The rows compiled at ``batch`` images per core (the file keeps probes of other sizes)."""
-  return {"rows": [r for r in result["rows"] if r.get("batch") == batch]}
+def recorded_result(model: str) -> dict:
+  """The result file of a TPU model of the table, with only that model's rows (the micro-batched
+  ViT's file keeps probes at other batches; its rows are those at ``VIT_MICROBATCH_BATCH``)."""
+  result = json.loads((RESULTS / TPU_MODELS[model][0]).read_text())
+  if model == TPU_MODEL_LABELS["vit256"]:
+    rows = [r for r in result["rows"] if r.get("batch") == VIT_MICROBATCH_BATCH]
+    result = {**result, "rows": rows}
+  return result
 
 
 def _add_live(rows: list[dict], live: dict) -> None:
@@ -155,11 +160,8 @@ def collect() -> list[dict]:
   """Every row of the table, read from the result files of ``FILES``."""
   read = lambda name: json.loads((RESULTS / name).read_text())
   rows = []
-  for model, (name, steps) in TPU_MODELS.items():
-    result = read(name)
-    if model.endswith("256 images"):
-      result = _at_batch(result, VIT_MICROBATCH_BATCH)
-    rows.extend(_tpu_rows(model, result, steps))
+  for model, (_, steps) in TPU_MODELS.items():
+    rows.extend(_tpu_rows(model, recorded_result(model), steps))
   _add_live(rows, read(LIVE))
   return [
     *rows,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import os
 import pathlib
 import re
 
@@ -69,6 +70,13 @@ def read(folder: pathlib.Path, module: str = "jit_step") -> str:
   if not found:
     raise FileNotFoundError(f"no live-range dump of {module} in {folder}")
   return found[-1].read_text()
+
+
+def request_dumps(folder: str | pathlib.Path) -> None:
+  """Asks XLA for its dumps (HLO text, buffer assignment, live ranges) of every program compiled
+  from now on, into ``folder``: ``XLA_FLAGS`` is read when the backend starts, so call it before."""
+  flags = f"--xla_dump_to={folder} --xla_dump_hlo_as_text"
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flags).strip()
 
 
 def slug(row: str) -> str:

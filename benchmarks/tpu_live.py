@@ -34,7 +34,6 @@ import argparse
 import concurrent.futures
 import json
 import multiprocessing
-import os
 import pathlib
 import re
 import sys
@@ -61,8 +60,7 @@ def compile_recorded(model: str, name: str, dtype: str, dump: str | None = None)
   folder for XLA's dumps, must reach the TPU backend before it starts.
   """
   if dump:
-    flags = f"--xla_dump_to={dump} --xla_dump_hlo_as_text"
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flags).strip()
+    tpu_buffers.request_dumps(dump)
   import jax
   import tpu_compile
   import tpu_sharded
@@ -72,7 +70,7 @@ def compile_recorded(model: str, name: str, dtype: str, dump: str | None = None)
   from tpu_vit import ViTConfig
 
   jax.config.update("jax_enable_compilation_cache", False)
-  recorded = json.loads((memory_table.RESULTS / memory_table.TPU_MODELS[model][0]).read_text())
+  recorded = memory_table.recorded_result(model)
   config = {k: v for k, v in recorded["model"].items() if k != "name"}
   if model in (MODELS["decoder"], MODELS["mlp"]):
     kind = DecoderConfig if model == MODELS["decoder"] else MLPConfig
@@ -106,11 +104,7 @@ def in_fresh_process(fn, *args):
 
 def recorded_rows(model: str) -> dict:
   """The recorded rows of ``model`` by (contender, dtype)."""
-  recorded = json.loads((memory_table.RESULTS / memory_table.TPU_MODELS[model][0]).read_text())
-  rows = recorded["rows"]
-  if model == MODELS["vit256"]:
-    rows = [r for r in rows if r.get("batch") == memory_table.VIT_MICROBATCH_BATCH]
-  return {(r["contender"], r["dtype"]): r for r in rows}
+  return {(r["contender"], r["dtype"]): r for r in memory_table.recorded_result(model)["rows"]}
 
 
 def step_of(model: str, label: str, over: str) -> tuple:

@@ -64,6 +64,7 @@ from reporting import code_version
 from reporting import libtpu_version
 from reporting import render_table
 from reporting import write_json
+from tpu_buffers import request_dumps
 from tpu_buffers import slug
 from tpu_decoder import DECODER_1B
 from tpu_decoder import DECODER_QUICK
@@ -461,8 +462,7 @@ def main(argv: list[str] | None = None) -> dict:
   if args.report:  # No compiling: the table and targets of --out's rows.
     return report(json.loads(args.out.read_text()), args.out)
   if args.dump:  # Read when the TPU backend starts, below.
-    flags = f"--xla_dump_to={args.dump} --xla_dump_hlo_as_text"
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flags).strip()
+    request_dumps(args.dump)
   mesh = tpu_mesh(args.topology)
   print(f"{args.topology}: {mesh.size} TPU cores, {args.config}", flush=True)
   result = {
