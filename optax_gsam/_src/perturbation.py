@@ -368,7 +368,7 @@ def perturbation(
 
   Example:
     >>> import jax.numpy as jnp, optax_gsam
-    >>> optax_gsam.perturbation(jnp.array([3.0, 4.0]), jnp.zeros(2), 0.5)
+    >>> optax_gsam.perturbation(jnp.array([3.0, 4.0]), jnp.zeros(2), 0.5).round(6)
     Array([0.3, 0.4], dtype=float32)
   """
   if adaptive not in ADAPTIVE_CHOICES:
@@ -566,11 +566,11 @@ def reuse_direction(
   Example:
     >>> import jax.numpy as jnp, optax_gsam
     >>> g_c, u = jnp.array([3.0, 0.0]), jnp.array([0.0, 0.8])
-    >>> optax_gsam.reuse_direction(g_c, u, 0.5)  # 0.5 * 3 * 0.8
+    >>> optax_gsam.reuse_direction(g_c, u, 0.5).round(6)  # 0.5 * 3 * 0.8
     Array([3. , 1.2], dtype=float32)
-    >>> optax_gsam.reuse_direction(g_c, u, 0.5, scale="global")  # 0.5 * 3; a = 0.625
+    >>> optax_gsam.reuse_direction(g_c, u, 0.5, scale="global").round(6)  # 0.5 * 3; a = 0.625
     Array([3. , 1.5], dtype=float32)
-    >>> optax_gsam.reuse_direction(g_c, u / 4, 0.5, scale="global")  # a = 2.5 > 1
+    >>> optax_gsam.reuse_direction(g_c, u / 4, 0.5, scale="global").round(6)  # a = 2.5 > 1
     Array([3., 0.], dtype=float32)
 
   References:

@@ -170,8 +170,8 @@ def m_sharpness(
     >>> loss_fn = lambda w, x: jnp.mean((x @ w) ** 2)
     >>> x = jnp.eye(4)
     >>> # Each group of 2 rows has f = (w_i^2 + w_j^2) / 2: the rise is (1 + 0.1 / sqrt(2))^2 - 1.
-    >>> float(optax_gsam.m_sharpness(loss_fn, jnp.ones(4), x, rho=0.1, m=2))
-    0.1464...
+    >>> round(float(optax_gsam.m_sharpness(loss_fn, jnp.ones(4), x, rho=0.1, m=2)), 4)
+    0.1464
 
   References:
     Foret et al., *Sharpness-aware minimization for efficiently improving
