@@ -268,6 +268,47 @@ def _check_snapshot_precedes_clean_pass(
     raise ValueError(_SNAPSHOT_AFTER_CLEAN_PASS.format(changed=changed))
 
 
+def _variable_paths(state: Any) -> dict[str, str]:
+  """'path' -> 'VariableType' (or the array's type) for each leaf of an NNX state."""
+  is_variable = lambda x: isinstance(x, nnx.Variable)
+  flat = jax.tree_util.tree_flatten_with_path(state, is_leaf=is_variable)[0]
+  return {jax.tree_util.keystr(path): type(leaf).__name__ for path, leaf in flat}
+
+
+def _filter_name(wrt: Any) -> str:
+  """An NNX filter as written in code: ``nnx.Param`` rather than the class's repr."""
+  if isinstance(wrt, type) and wrt.__module__.startswith("flax.nnx"):
+    return f"nnx.{wrt.__name__}"
+  return repr(wrt)
+
+
+def _check_params_match_wrt(params: Any, split_params: Any, wrt: Any, helper: str) -> None:
+  """Raises where the transform's params are not the ``wrt`` variables the helper split off.
+
+  ``nnx.Optimizer(model, tx, wrt=...)`` hands the transform its own ``wrt``'s variables;
+  a helper given another filter (the default ``nnx.Param`` where the optimizer has
+  ``wrt=nnx.LoRAParam``) split the model differently, and ``nnx.merge`` would fail with
+  a leaf count that names neither.
+  """
+  given, split = _variable_paths(params), _variable_paths(split_params)
+  if len(given) == len(split):  # nnx.merge reads the leaves in order: only their number matters
+    return
+  missing = [f"{path} ({split[path]})" for path in split if path not in given]
+  extra = [f"{path} ({given[path]})" for path in given if path not in split]
+  found = "; ".join(
+    f"{label}: {', '.join(paths[:4])}{' ...' if len(paths) > 4 else ''}"
+    for label, paths in (("split but not given", missing), ("given but not split", extra))
+    if paths
+  )
+  raise ValueError(
+    f"{helper} split the model's parameters with wrt={_filter_name(wrt)} ({len(split)} "
+    f"variables), but the "
+    f"transform was given params of {len(given)} ({found}). Pass {helper} the wrt of the "
+    f"nnx.Optimizer, the filter of what it updates: {helper}(loss_fn, model, ..., "
+    "wrt=nnx.LoRAParam) for nnx.Optimizer(model, tx, wrt=nnx.LoRAParam)."
+  )
+
+
 def _check_nnx_arguments(loss_fn: Any, model: Any) -> None:
   """The loss is callable and the model an NNX object, each named in the error."""
   if not callable(loss_fn):
@@ -383,11 +424,12 @@ def nnx_loss_fn(
     return path[0] == 0 and in_wrt(path[1:], value)
 
   originals = (model, [leaves[i] for i in node_at])
-  graphdef, _, *others = nnx.split(originals, is_param, ...)
+  graphdef, split_params, *others = nnx.split(originals, is_param, ...)
   # Pure arrays: nnx.merge makes new Variables at the trace level of the call.
   rest = nnx.as_pure(others[0])
 
   def perturbed_loss_fn(params):
+    _check_params_match_wrt(params, split_params[0], wrt, "nnx_loss_fn")
     copy, nodes = nnx.merge(graphdef, nnx.State({0: params}), rest)
     call_leaves = list(leaves)
     for i, node in zip(node_at, nodes, strict=True):
@@ -461,14 +503,15 @@ def nnx_microbatch_loss_fn(
     1
   """
   _check_nnx_arguments(loss_fn, model)
-  graphdef, params, *others = nnx.split(model, wrt, ...)
+  graphdef, split_params, *others = nnx.split(model, wrt, ...)
 
   def stateful_loss_fn(params: Any, model_state: Any, microbatch: Any, *args: Any):
     _check_microbatch_call(loss_fn, args)
+    _check_params_match_wrt(params, split_params, wrt, "nnx_microbatch_loss_fn")
     copy = nnx.merge(graphdef, params, model_state)
     output = loss_fn(copy, microbatch, *args)
     loss = output[0] if isinstance(output, (tuple, list)) else output
     _, _, *new = nnx.split(copy, wrt, ...)
     return loss, nnx.as_pure(new[0])
 
-  return stateful_loss_fn, params, nnx.as_pure(others[0])
+  return stateful_loss_fn, split_params, nnx.as_pure(others[0])

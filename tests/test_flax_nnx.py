@@ -413,3 +413,46 @@ def test_nnx_loss_fn_after_the_clean_pass_names_the_variable_that_changed():
 
 
 # --- rho_from_lr inside a trace: Flax's abstract restore -------------------------------------
+
+
+class LoRANet(nnx.Module):
+  def __init__(self, rngs):
+    self.hidden = nnx.LoRA(4, 2, 8, base_module=nnx.Linear(4, 8, rngs=rngs), rngs=rngs)
+    self.out = nnx.LoRA(8, 2, 3, base_module=nnx.Linear(8, 3, rngs=rngs), rngs=rngs)
+
+  def __call__(self, x):
+    return self.out(nnx.relu(self.hidden(x)))
+
+
+def test_a_loss_helper_without_the_optimizers_wrt_names_wrt():
+  """nnx.Optimizer(wrt=nnx.LoRAParam) hands the transform the adapters only; a helper left at
+  wrt=nnx.Param split the base weights off too, and the error names wrt=, not a leaf count."""
+  x, y = jnp.ones((4, 4)), jax.nn.one_hot(jnp.arange(4) % 3, 3)
+  diff = nnx.DiffState(0, nnx.LoRAParam)
+
+  def step(model, optimizer, **wrt):
+    perturbed = nnx_loss_fn(cross_entropy, model, x, y, **wrt)
+    loss, grads = nnx.value_and_grad(cross_entropy, argnums=diff)(model, x, y)
+    optimizer.update(model, grads, loss_fn=perturbed, value=loss)
+
+  model = LoRANet(nnx.Rngs(0))
+  optimizer = nnx.Optimizer(
+    model, optax.chain(optax_gsam.sam(0.05), optax.sgd(0.1)), wrt=diff.filter
+  )
+  with pytest.raises(ValueError, match=r"wrt=nnx.Param.*base_module.*wrt=nnx.LoRAParam"):
+    nnx.jit(step)(model, optimizer)
+  nnx.jit(functools.partial(step, wrt=nnx.LoRAParam))(model, optimizer)  # the fix works
+
+  def micro_loss(model, microbatch):
+    return jnp.mean(model(microbatch) ** 2)
+
+  def micro_step(model, optimizer):
+    f, _, model_state = nnx_microbatch_loss_fn(micro_loss, model)  # wrt left at nnx.Param
+    params = nnx.state(model, nnx.LoRAParam)
+    optimizer.update(model, params, loss_fn=f, batch=x, model_state=model_state)
+
+  micro = nnx.Optimizer(
+    model, optax.chain(optax_gsam.sam(0.05, microbatches=2), optax.sgd(0.1)), wrt=nnx.LoRAParam
+  )
+  with pytest.raises(ValueError, match=r"nnx_microbatch_loss_fn\(loss_fn, model, \.\.\., wrt="):
+    nnx.jit(micro_step)(model, micro)

@@ -449,3 +449,63 @@ def test_linen_lora_adapters_step_as_sam_over_the_adapters_in_float64():
     for key, value in moved.items():
       want = -LR * g_p[key] if key in adapters else jnp.zeros_like(value)
       np.testing.assert_allclose(value, want, rtol=1e-12, atol=1e-15)
+
+
+ZERO_STAGES = {
+  "scale(0.0)": lambda: optax.scale(0.0),
+  "sgd(0.0)": lambda: optax.sgd(0.0),
+  "adamw(0.0)": lambda: optax.adamw(0.0, weight_decay=1e-2),
+  "chain ending in scale(0)": lambda: optax.chain(optax.clip(1.0), optax.scale(np.float32(0.0))),
+  "scale(array zero)": lambda: optax.scale(jnp.zeros(())),
+}
+
+
+@pytest.mark.parametrize("zero", ZERO_STAGES)
+@pytest.mark.parametrize("alpha", [0.0, ALPHA], ids=["sam", "gsam"])
+def test_a_label_sent_to_exactly_zero_is_frozen_as_set_to_zero_is(zero, alpha):
+  """optax.scale(0.0) and a learning rate of 0.0 freeze as set_to_zero() does: frozen_leaves reads
+  them (the trained leaves step as the float64 reference), and without frozen= a warning names
+  the leaves and the fix."""
+  transforms = {"trained": optax.sgd(LR), "frozen": ZERO_STAGES[zero]()}
+  with jax.enable_x64(True):
+    params = _params()
+    frozen = optax_gsam.frozen_leaves(transforms, LABELS)
+    tx = optax.chain(
+      optax_gsam.gsam(RHO, alpha, frozen=frozen), optax.partition(transforms, LABELS)
+    )
+    updates, _ = tx.update(jax.grad(loss_fn)(params), tx.init(params), params, loss_fn=loss_fn)
+    expected = jax.tree.map(lambda g: -LR * g, _reference(params, alpha))
+    _assert_close(_trained(updates), _trained(expected))
+    assert not np.any(np.asarray(updates["backbone"]["kernel"]))
+  small = _params(jnp.float32)
+  plain = optax.chain(optax_gsam.gsam(RHO, alpha), optax.partition(transforms, LABELS))
+  with pytest.warns(UserWarning, match=r"freezes.*'backbone'.*frozen_leaves"):
+    _traced_update(plain, jax.grad(loss_fn)(small), small)
+
+
+def test_a_nonzero_or_scheduled_scale_is_not_read_as_frozen():
+  """Only a step size known to be zero freezes: a schedule may leave zero later."""
+  for stage in (optax.scale(1e-3), optax.sgd(optax.constant_schedule(0.0))):
+    with pytest.raises(ValueError, match="nothing is frozen"):
+      optax_gsam.frozen_leaves({"trained": optax.sgd(LR), "frozen": stage}, LABELS)
+
+
+def test_frozen_errors_name_inject_hyperparams_only_inside_it():
+  params = _params(jnp.float32)
+  for bad in ({"backbone": True}, {"backbone": jnp.array(True), "adapter": False, "head": False}):
+    with pytest.raises(ValueError, match="frozen") as error:
+      optax_gsam.sam(RHO, frozen=bad).init(params)
+    assert "inject_hyperparams" not in str(error.value)
+  with pytest.raises(ValueError, match="bare bool") as error:
+    optax_gsam.sam(RHO, frozen=True)
+  assert "inject_hyperparams" not in str(error.value)
+
+
+@pytest.mark.parametrize(
+  "labels", [LABELS, lambda params: LABELS], ids=["label tree", "label function"]
+)
+def test_labels_given_as_frozen_point_to_frozen_leaves(labels):
+  params = _params(jnp.float32)
+  fix = r"frozen=optax_gsam.frozen_leaves\(transforms, param_labels\)"
+  with pytest.raises(ValueError, match=r"got labels \('\w+', \.\.\.\).*" + fix):
+    optax_gsam.sam(RHO, frozen=labels).init(params)

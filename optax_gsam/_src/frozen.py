@@ -41,6 +41,22 @@ _STATIC_FIX = (
   "optax.inject_hyperparams calls a function it is given as a schedule, with the step count: "
   "pass static_args=('frozen',) to optax.inject_hyperparams."
 )
+_LABELS_FIX = (
+  "To freeze the leaves whose optax.partition label maps to optax.set_to_zero(), pass the "
+  "partition's own two arguments: frozen=optax_gsam.frozen_leaves(transforms, param_labels)."
+)
+
+
+def _inject_hyperparams_hint() -> str:
+  """The ``static_args`` fix, where the transform is built inside ``optax.inject_hyperparams``.
+
+  Only there is a function given as ``frozen`` called with the step count, so only there does
+  the hint explain a bad ``frozen``.
+  """
+  inject = "inject_hyperparams.<locals>.wrapped_transform.<locals>."
+  if any(placement.optax_frame_on_stack(inject + fn) for fn in ("init_fn", "update_fn")):
+    return " Inside optax.inject_hyperparams: " + _STATIC_FIX
+  return ""
 
 
 class FrozenLeaf(NamedTuple):
@@ -54,16 +70,21 @@ def check_frozen(frozen: FrozenOrFn) -> None:
   if isinstance(frozen, (bool, np.bool_)):
     raise ValueError(
       f"frozen is the bare bool {frozen!r}, not a pytree of bools over params: False freezes "
-      "nothing (leave frozen=None) and True would leave nothing to train. If a function was "
-      "given to optax.inject_hyperparams: " + _STATIC_FIX
+      "nothing (leave frozen=None) and True would leave nothing to train."
+      + _inject_hyperparams_hint()
     )
   bad = [leaf for leaf in jax.tree.leaves(frozen) if not isinstance(leaf, (bool, np.bool_))]
+  if bad and all(isinstance(leaf, str) for leaf in bad):
+    raise ValueError(
+      f"frozen got labels ({bad[0]!r}, ...), not Python bools: frozen= takes a pytree of bools "
+      "(True: the leaf is frozen), or a function params -> such a pytree. " + _LABELS_FIX
+    )
   if bad:
     raise ValueError(
       "frozen must be a pytree of Python bools (True: the leaf is frozen) with the structure of "
       "params or a prefix of it, or a function params -> such a pytree, as optax.freeze and "
       f"optax.selective_transform's freeze_mask take; got a leaf {bad[0]!r}. Arrays are not "
-      "accepted: what is frozen decides the program's shape. " + _STATIC_FIX
+      "accepted: what is frozen decides the program's shape." + _inject_hyperparams_hint()
     )
 
 
@@ -83,8 +104,7 @@ def resolve_frozen(frozen: FrozenOrFn, params: optax.Params) -> Any:
   except ValueError as error:
     raise ValueError(
       "frozen does not match params: it must have the structure of params, or of a prefix of "
-      f"it, with a bool at each of its leaves ({error}). If a frozen function was given to "
-      "optax.inject_hyperparams: " + _STATIC_FIX
+      f"it, with a bool at each of its leaves ({error})." + _inject_hyperparams_hint()
     ) from error
   leaves = jax.tree.leaves(flags)
   if leaves and all(leaves):
@@ -188,16 +208,29 @@ def _check_mask_trains_something(mask: Any, flags: Any, params: optax.Params) ->
 
 
 def _zeroes(update: Any) -> bool:
-  """Whether ``update`` is ``optax.set_to_zero()``'s (behind optax's extra-args wrapper or not),
-  or a chain's whose last stage's is."""
+  """Whether ``update`` sends every update to exactly zero: ``optax.set_to_zero()``'s, or
+  ``optax.scale``'s by a concrete zero (``optax.scale(0.0)``, a learning rate of 0.0), behind
+  optax's extra-args wrapper or not, or a chain's whose last stage's is (``optax.sgd(0.0)``)."""
   update = placement.unwrapped_update(update)
   code = getattr(update, "__code__", None)
   if code is None or placement.OPTAX_DIR not in code.co_filename:
     return False
   if code.co_qualname == "set_to_zero.<locals>.update_fn":
     return True
+  if code.co_qualname == "scale.<locals>.update_fn":
+    return _is_concrete_zero(placement.closure_values(update).get("step_size"))
   stages = _chain_updates(update) or []
   return bool(stages) and _zeroes(stages[-1])
+
+
+def _is_concrete_zero(step_size: Any) -> bool:
+  """A step size known now to be zero: a number or a concrete array of zeros, not a tracer."""
+  if isinstance(step_size, jax.core.Tracer):
+    return False
+  try:
+    return bool(np.all(np.asarray(step_size) == 0))
+  except (TypeError, ValueError):
+    return False
 
 
 def _chain_updates(update: Any) -> list[Callable] | None:
@@ -213,8 +246,9 @@ def _chain_updates(update: Any) -> list[Callable] | None:
 
 
 def _labels_frozen(transforms: Mapping[Any, Any], param_labels: Any, params: Any) -> Any:
-  """A bool at every leaf of ``params``: whether its label's transform is set_to_zero()."""
-  labels = param_labels(params) if callable(param_labels) else param_labels
+  """A bool at every leaf of ``params``: whether its label's transform sends updates to zero."""
+  # An Equinox module of labels is callable: it is a label function only where its leaves are.
+  labels = param_labels(params) if is_function(param_labels) else param_labels
   zero = {label for label, tx in transforms.items() if _zeroes(getattr(tx, "update", None))}
   return _expanded(jax.tree.map(lambda label: label in zero, labels), params)
 
@@ -222,11 +256,12 @@ def _labels_frozen(transforms: Mapping[Any, Any], param_labels: Any, params: Any
 def frozen_leaves(
   transforms: Mapping[Any, optax.GradientTransformation], param_labels: Any
 ) -> Callable[[optax.Params], Any]:
-  r"""The ``frozen=`` of an ``optax.partition``: the leaves whose transform is ``set_to_zero()``.
+  r"""The ``frozen=`` of an ``optax.partition``: the leaves whose transform sends updates to zero.
 
   Fine-tuning freezes part of the model with ``optax.partition(transforms,
   param_labels)`` (``optax.multi_transform``), mapping the frozen labels to
-  ``optax.set_to_zero()``. Pass the same two arguments here, and the
+  ``optax.set_to_zero()`` (or to ``optax.scale(0.0)``, a learning rate of
+  ``0.0``, or a chain that ends in either, which are frozen too). Pass the same two arguments here, and the
   sharpness-aware transform before the partition perturbs and differentiates
   the trained leaves only:
 
@@ -251,8 +286,8 @@ def frozen_leaves(
     pytree of bools, True where the leaf is frozen.
 
   Raises:
-    ValueError: when no label's transform is ``optax.set_to_zero()``: nothing
-      would be frozen.
+    ValueError: when no label's transform sends updates to zero: nothing would
+      be frozen.
 
   Example:
     >>> import jax, jax.numpy as jnp, optax, optax_gsam
@@ -271,8 +306,8 @@ def frozen_leaves(
   """
   if not any(_zeroes(getattr(tx, "update", None)) for tx in transforms.values()):
     raise ValueError(
-      f"No transformation among the labels {sorted(map(str, transforms))} is "
-      "optax.set_to_zero(), so nothing is frozen. Map the frozen labels to "
+      f"No transformation among the labels {sorted(map(str, transforms))} sends updates to "
+      "zero (optax.set_to_zero(), optax.scale(0.0)), so nothing is frozen. Map the frozen labels to "
       "optax.set_to_zero(), or pass frozen= a pytree of bools (True: frozen)."
     )
 
@@ -281,8 +316,8 @@ def frozen_leaves(
       return _labels_frozen(transforms, param_labels, params)
     except ValueError as error:
       raise ValueError(
-        f"The labels of frozen_leaves do not match these params ({error}). If the function "
-        "was given to optax.inject_hyperparams: " + _STATIC_FIX
+        f"The labels of frozen_leaves do not match these params ({error})."
+        + _inject_hyperparams_hint()
       ) from error
 
   return frozen_of
@@ -361,7 +396,7 @@ def warn_if_frozen_later(name: str, frozen: FrozenOrFn, mask: Any, params: optax
   if paths:
     warnings.warn(
       f"{name} perturbs leaves that a later stage of the chain freezes (optax.set_to_zero() "
-      f"in optax.partition, or optax.freeze): {', '.join(paths[:5])}"
+      f"or optax.scale(0.0) in optax.partition, or optax.freeze): {', '.join(paths[:5])}"
       f"{' ...' if len(paths) > 5 else ''}. Their perturbation changes the trained leaves' "
       "gradient, and their own gradient is taken and discarded. To perturb and differentiate "
       "only what is trained, pass frozen=optax_gsam.frozen_leaves(transforms, param_labels) "
