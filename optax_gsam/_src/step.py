@@ -38,6 +38,7 @@ from optax_gsam._src.arrays import same_layout
 from optax_gsam._src.ascent import ascent_from_adaptive
 from optax_gsam._src.ascent import resolve_mask
 from optax_gsam._src.ascent import select_leaves
+from optax_gsam._src.isolation import isolated_on_gpu
 from optax_gsam._src.microbatch import average_over
 from optax_gsam._src.policies import SharpnessPolicy
 from optax_gsam._src.schedules import value_at
@@ -282,7 +283,7 @@ def ascend(
     move = select_leaves(mask, unit)
     epsilon = move if epsilon is None else jax.tree.map(jnp.add, epsilon, move)
     perturbed = jax.tree.map(lambda w, e: w + (e * step_size).astype(w.dtype), params, epsilon)
-    value, grads = grad_fn(perturbed)
+    value, grads = isolated_on_gpu(grad_fn, perturbed)
     if settings.synchronized:
       grads = pmean(grads, settings.axis_name)
   return value, grads, next_state
