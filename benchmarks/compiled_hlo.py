@@ -77,10 +77,11 @@ def conditionals(hlo_text: str) -> list[dict[str, int]]:
 
 
 def analyse(compiled) -> dict[str, Any]:
-  """The per-core figures the TPU compiler gives for one compiled step."""
+  """The per-device figures the compiler (TPU or GPU) gives for one compiled step."""
   memory = compiled.memory_analysis()
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, list | tuple) else cost
+  cost = cost or {}  # the GPU compiler gives no cost analysis without a device
   fields = ("argument", "output", "alias", "temp", "generated_code")
   row = {f"{f}_bytes": int(getattr(memory, f"{f}_size_in_bytes")) for f in fields}
   row["peak_bytes"] = (

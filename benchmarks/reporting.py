@@ -136,14 +136,23 @@ def write_json(path: Path, result: dict) -> None:
   path.write_text(json.dumps(result, indent=2) + "\n")
 
 
-def libtpu_version() -> str:
-  """The installed libtpu's version (the TPU compiler of the ahead-of-time scripts)."""
+def _installed_version(package: str) -> str:
   from importlib import metadata
 
   try:
-    return metadata.version("libtpu")
+    return metadata.version(package)
   except metadata.PackageNotFoundError:
     return "unknown"
+
+
+def libtpu_version() -> str:
+  """The installed libtpu's version (the TPU compiler of the ahead-of-time scripts)."""
+  return _installed_version("libtpu")
+
+
+def cuda_plugin_version() -> str:
+  """The installed CUDA plugin's version (the GPU compiler of the ahead-of-time scripts)."""
+  return _installed_version("jax-cuda12-plugin")
 
 
 def figure(*args, **kwargs) -> tuple[Any, Any]:

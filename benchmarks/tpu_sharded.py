@@ -50,6 +50,7 @@ import sys
 import time
 
 import aot_env  # noqa: F401 (the compile-only environment, set before jax is imported)
+import gpu_target
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -61,6 +62,7 @@ from compiled_hlo import data_peak
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from reporting import code_version
+from reporting import cuda_plugin_version
 from reporting import libtpu_version
 from reporting import render_table
 from reporting import write_json
@@ -74,6 +76,10 @@ from tpu_decoder import param_count
 from tpu_mlp import MLP_537M
 from tpu_mlp import MLP_QUICK
 from tpu_mlp import MLPConfig
+from tpu_vit import VIT_L16
+from tpu_vit import VIT_SCANNED_QUICK
+from tpu_vit import ScannedViT
+from tpu_vit import ViTConfig
 
 import optax_gsam
 
@@ -83,6 +89,8 @@ GiB = 2**30
 DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16}
 # name -> (topology_name, TPU_ACCELERATOR_TYPE); "default" chips: one device per TensorCore.
 TOPOLOGIES = {"v4-8": ("v4:2x2x1", "v4-8"), "v4-64": ("v4:4x4x2", "v4-64")}
+# name -> (GPU target, GPUs): one host, described to jax's CUDA plugin (gpu_target.py).
+GPU_TOPOLOGIES = {"8xh100": ("h100", 8)}
 RHO, ALPHA, LR, WEIGHT_DECAY = 0.05, 0.3, 1e-4, 0.1
 
 
@@ -186,6 +194,22 @@ def _scanned_grad(loss_of, params, batch, num_microbatches: int):
 # ----------------------------------------------------------------------------- compiling
 
 
+def mesh_of(name: str, memory_bytes: int | None = None) -> jax.sharding.Mesh:
+  """A 1-D Auto ``data`` mesh over every device of a described TPU or GPU topology.
+
+  ``memory_bytes`` replaces a GPU's memory in its target description (the batch search).
+  """
+  if name in GPU_TOPOLOGIES:
+    target, gpus = GPU_TOPOLOGIES[name]
+    devices = gpu_target.gpu_devices(gpu_target.TARGETS[target], gpus, memory_bytes)
+    return jax.sharding.Mesh(np.array(devices), (AXIS,))
+  return tpu_mesh(name)
+
+
+def platform_of(name: str) -> str:
+  return "gpu" if name in GPU_TOPOLOGIES else "tpu"
+
+
 def tpu_mesh(name: str) -> jax.sharding.Mesh:
   """A 1-D Auto ``data`` mesh over every TensorCore of a described TPU topology."""
   from jax.experimental import topologies
@@ -222,7 +246,18 @@ def fsdp_specs(tree, mesh):
 
 
 def problem(config, dtype, constrain, rows: int):
-  """(param shapes, ``loss_of(params, batch)``, the batch's shape and dtype) of either model."""
+  """(param shapes, ``loss_of(params, batch)``, the batch's shape and dtype) of each model."""
+  if isinstance(config, ViTConfig):  # images; the labels are a function of them
+    vit = ScannedViT(config, dtype, constrain)
+    images = jnp.zeros((1, config.image, config.image, 3), jnp.float32)
+    params = jax.eval_shape(lambda: vit.init(jax.random.key(0), images)["params"])
+
+    def vit_loss(p, images):
+      logits = vit.apply({"params": p}, constrain(images))
+      labels = (images[:, 0, 0, 0] > 0).astype(jnp.int32)
+      return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+    return params, vit_loss, ((rows, config.image, config.image, 3), jnp.float32)
   if isinstance(config, MLPConfig):
     params = jax.eval_shape(lambda: tpu_mlp.init(config, jax.random.key(0)))
     loss_of = lambda p, inputs: tpu_mlp.loss(p, constrain(inputs), dtype, constrain)
@@ -387,10 +422,13 @@ def parse_args(argv):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true", help="tiny model on a v4-8, seconds")
   parser.add_argument(
-    "--model", choices=("decoder", "mlp"), default="decoder",
-    help="the 1.04B scanned decoder or the 537M residual MLP (tpu_mlp.py)",
+    "--model", choices=("decoder", "mlp", "vit"), default="decoder",
+    help="the 1.04B scanned decoder, the 537M residual MLP (tpu_mlp.py) or a scanned ViT-L/16",
   )  # fmt: skip
-  parser.add_argument("--topology", choices=list(TOPOLOGIES), default=None)
+  parser.add_argument(
+    "--topology", choices=[*TOPOLOGIES, *GPU_TOPOLOGIES], default=None,
+    help="a TPU (v4-8, v4-64) or a GPU host (8xh100: 8 H100s, jax's CUDA plugin)",
+  )  # fmt: skip
   parser.add_argument(
     "--per-core-batch", type=int, default=None, help="default: 4 sequences, or 64 rows (mlp)"
   )
@@ -408,14 +446,20 @@ def parse_args(argv):
   )
   args = parser.parse_args(argv)
   args.topology = args.topology or ("v4-8" if args.quick else "v4-64")
-  configs = {"decoder": (DECODER_1B, DECODER_QUICK), "mlp": (MLP_537M, MLP_QUICK)}
+  configs = {
+    "decoder": (DECODER_1B, DECODER_QUICK),
+    "mlp": (MLP_537M, MLP_QUICK),
+    "vit": (VIT_L16, VIT_SCANNED_QUICK),
+  }
   args.config = configs[args.model][args.quick]
   if args.depth:
     args.config = dataclasses.replace(args.config, depth=args.depth)
-  args.per_core_batch = args.per_core_batch or (64 if args.model == "mlp" else 4)
+  args.per_core_batch = args.per_core_batch or {"mlp": 64, "vit": 32}.get(args.model, 4)
   args.dtypes = args.dtypes or list(DTYPES)
   args.contenders = args.contenders or list(MAIN_CONTENDERS if args.quick else FULL_ORDER)
-  stem = "tpu_sharded" + ("_mlp" if args.model == "mlp" else "") + ("_quick" if args.quick else "")
+  platform = platform_of(args.topology)
+  stem = f"{platform}_sharded" + ("" if args.model == "decoder" else f"_{args.model}")
+  stem += "_quick" if args.quick else ""
   args.out = args.out or RESULTS / (stem + ".json")
   return args
 
@@ -463,13 +507,17 @@ def main(argv: list[str] | None = None) -> dict:
     return report(json.loads(args.out.read_text()), args.out)
   if args.dump:  # Read when the TPU backend starts, below.
     request_dumps(args.dump)
-  mesh = tpu_mesh(args.topology)
-  print(f"{args.topology}: {mesh.size} TPU cores, {args.config}", flush=True)
+  mesh = mesh_of(args.topology)
+  platform = platform_of(args.topology)
+  print(f"{args.topology}: {mesh.size} {platform.upper()} devices, {args.config}", flush=True)
   result = {
     "command": " ".join(["python benchmarks/tpu_sharded.py", *(argv or sys.argv[1:])]),
     "code": code_version(),
     "jax": jax.__version__,
-    "libtpu": libtpu_version(),
+    "platform": platform,
+    **(
+      {"libtpu": libtpu_version()} if platform == "tpu" else {"cuda_plugin": cuda_plugin_version()}
+    ),
     "topology": args.topology,
     "cores": mesh.size,
     "model": {"name": args.model, **dataclasses.asdict(args.config)},

@@ -1,7 +1,10 @@
 """The GSAM paper's ViT-B/32 (and a small one for quick runs) as ``tpu_compile.py`` compiles it.
 
 Patch embedding, learned positions, pre-LayerNorm encoder blocks and a global-average-pool
-head, with the activations' dtype as a field (params stay float32).
+head, with the activations' dtype as a field (params stay float32). ``ScannedViT`` lays the
+same blocks out as big_vision does for large models (``scan_layers``, ``remat_policy``): one
+``nn.scan`` over stacked block parameters, each block rematerialized, so the backward pass keeps
+only each block's input; ``tpu_sharded.py --model vit`` compiles it (ViT-L/16) for FSDP.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ class ViTConfig:
 
 VIT_B32 = ViTConfig(patch=32, width=768, depth=12, heads=12, mlp=3072, image=224, classes=1000)
 VIT_QUICK = ViTConfig(patch=8, width=64, depth=1, heads=2, mlp=256, image=32, classes=10)
+VIT_L16 = ViTConfig(patch=16, width=1024, depth=24, heads=16, mlp=4096, image=224, classes=1000)
+VIT_SCANNED_QUICK = ViTConfig(patch=8, width=64, depth=4, heads=2, mlp=256, image=32, classes=10)
 
 
 class Block(nn.Module):
@@ -60,5 +65,46 @@ class ViT(nn.Module):
     x = x + self.param("pos", nn.initializers.normal(0.02), (1, x.shape[1], c.width))
     for _ in range(c.depth):
       x = Block(c, self.dtype)(x)
+    x = nn.LayerNorm(dtype=self.dtype)(x).mean(axis=1)
+    return nn.Dense(c.classes, dtype=self.dtype)(x).astype(jnp.float32)
+
+
+class ScannedBlock(Block):
+  """A :class:`Block` shaped for ``nn.scan``: ``(x, None) -> (x, None)``, the batch laid out."""
+
+  constrain: Any = None
+
+  def __call__(self, x, _):  # type: ignore[override]
+    x = super().__call__(x)
+    return (x if self.constrain is None else self.constrain(x)), None
+
+
+class ScannedViT(nn.Module):
+  """:class:`ViT` with its blocks in one rematerialized ``nn.scan`` (big_vision's large models).
+
+  ``constrain`` lays out the activations after the embedding and every block (the batch
+  sharding), so the compiler gathers the FSDP-sharded weights rather than the activations.
+  """
+
+  config: ViTConfig
+  dtype: Any = jnp.float32
+  constrain: Any = None
+
+  @nn.compact
+  def __call__(self, images):
+    c = self.config
+    keep = (lambda x: x) if self.constrain is None else self.constrain
+    x = nn.Conv(c.width, (c.patch, c.patch), strides=c.patch, padding="VALID", dtype=self.dtype)(
+      images
+    )
+    x = x.reshape(x.shape[0], -1, c.width)
+    x = keep(x + self.param("pos", nn.initializers.normal(0.02), (1, x.shape[1], c.width)))
+    blocks = nn.scan(
+      nn.remat(ScannedBlock, prevent_cse=False),
+      variable_axes={"params": 0},
+      split_rngs={"params": True},
+      length=c.depth,
+    )
+    x, _ = blocks(c, self.dtype, self.constrain, name="blocks")(x, None)
     x = nn.LayerNorm(dtype=self.dtype)(x).mean(axis=1)
     return nn.Dense(c.classes, dtype=self.dtype)(x).astype(jnp.float32)
