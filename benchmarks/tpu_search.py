@@ -17,7 +17,9 @@ MAX_PROBE_BATCH = 2**20  # the search stops growing here, should nothing ever fa
 
 
 def fits(probe: dict[str, Any]) -> bool:
-  return probe["compiles"] and probe["peak_bytes"] <= HBM_BYTES
+  """Compiled, within the device's memory: the probe's ``memory_bytes`` (a GPU's, from its
+  target description), else a TPU v3 core's HBM."""
+  return probe["compiles"] and probe["peak_bytes"] <= probe.get("memory_bytes", HBM_BYTES)
 
 
 def _line_guess(probes: list[dict], limit: int) -> int | None:
@@ -47,7 +49,8 @@ def largest_batch(probe: Callable[[int], dict], start: int, step: int) -> tuple[
   lo, hi = (start, None) if fits(probes[0]) else (0, start)
   use_line = True
   while (hi is None and lo < MAX_PROBE_BATCH) or (hi is not None and hi - lo > step):
-    limit = min([HBM_BYTES, *(p["hbm_limit_bytes"] for p in probes if "hbm_limit_bytes" in p)])
+    memory = probes[0].get("memory_bytes", HBM_BYTES)
+    limit = min([memory, *(p["hbm_limit_bytes"] for p in probes if "hbm_limit_bytes" in p)])
     guess = _line_guess(probes, limit) if use_line else None
     if guess is None:
       grow = 4 if len(probes) == 1 else 2

@@ -76,6 +76,8 @@ from tpu_decoder import param_count
 from tpu_mlp import MLP_537M
 from tpu_mlp import MLP_QUICK
 from tpu_mlp import MLPConfig
+from tpu_search import format_max_batch_table
+from tpu_search import largest_batch
 from tpu_vit import VIT_L16
 from tpu_vit import VIT_SCANNED_QUICK
 from tpu_vit import ScannedViT
@@ -444,6 +446,11 @@ def parse_args(argv):
   parser.add_argument(
     "--append", action="store_true", help="keep --out's rows of the contenders not compiled"
   )
+  parser.add_argument(
+    "--largest-batch", action="store_true",
+    help="GPU: the largest batch per device that fits the device's memory, per contender",
+  )  # fmt: skip
+  parser.add_argument("--batch-step", type=int, default=8, help="the search's granularity")
   args = parser.parse_args(argv)
   args.topology = args.topology or ("v4-8" if args.quick else "v4-64")
   configs = {
@@ -460,6 +467,7 @@ def parse_args(argv):
   platform = platform_of(args.topology)
   stem = f"{platform}_sharded" + ("" if args.model == "decoder" else f"_{args.model}")
   stem += "_quick" if args.quick else ""
+  stem += "_max_batch" if args.largest_batch else ""
   args.out = args.out or RESULTS / (stem + ".json")
   return args
 
@@ -501,6 +509,48 @@ def _file_dump(root: pathlib.Path, row: str) -> None:
       shutil.rmtree(path)
 
 
+SEARCHED = ("adamw", "optax.contrib.sam", "gsam", "sam", "momentum_sam")
+
+
+def probe_batch(mesh, config, dtype: str, name: str, per_device: int, memory: int) -> dict:
+  """One compile of the search: the peak per device at ``per_device`` (or a refusal)."""
+  try:
+    row, compiled = compile_row(mesh, config, dtype, name, per_device)
+  except Exception as error:  # A compiler that refuses a program too large for the device.
+    if "RESOURCE_EXHAUSTED" not in str(error) and "out of memory" not in str(error).lower():
+      raise
+    return {"batch": per_device, "compiles": False, "memory_bytes": memory}
+  del compiled
+  keys = ("peak_bytes", "temp_bytes", "argument_bytes", "output_bytes", "alias_bytes")
+  found = {k: row[k] for k in keys}
+  return {"batch": per_device, "compiles": True, "memory_bytes": memory, **found}
+
+
+def search_batches(args, mesh, result) -> dict:
+  """The largest per-device batch of each searched contender whose step fits the device."""
+  memory = gpu_target.TARGETS[GPU_TOPOLOGIES[args.topology][0]].memory_bytes
+  rows = result["rows"] = []
+  for name in [n for n in args.contenders if n in SEARCHED]:
+    for dtype in args.dtypes:
+      probe = lambda b, n=name, d=dtype: probe_batch(mesh, args.config, d, n, b, memory)
+      best, probes = largest_batch(probe, args.per_core_batch, args.batch_step)
+      rows.append({"contender": name, "dtype": dtype, "largest_batch": best, "probes": probes})
+      print(f"  {dtype} {name}: largest batch per device {best} ({len(probes)} compiles)")
+      write_json(args.out, result)
+  print(format_max_batch_table(rows, args.batch_step))
+  result["targets"] = [
+    {"target": f"{r['dtype']}: gsam largest batch / adamw's >= 0.97", "value": ratio,
+     "limit": 0.97, "met": ratio >= 0.97}
+    for r in rows if r["contender"] == "gsam"
+    for base in rows if base["contender"] == "adamw" and base["dtype"] == r["dtype"]
+    for ratio in [r["largest_batch"] / base["largest_batch"]]
+  ]  # fmt: skip
+  for t in result["targets"]:
+    print(f"{t['target']}: {t['value']:.3f} -> {'met' if t['met'] else 'MISSED'}")
+  write_json(args.out, result)
+  return result
+
+
 def main(argv: list[str] | None = None) -> dict:
   args = parse_args(argv)
   if args.report:  # No compiling: the table and targets of --out's rows.
@@ -527,6 +577,10 @@ def main(argv: list[str] | None = None) -> dict:
     "hparams": {"rho": RHO, "alpha": ALPHA, "lr": LR, "weight_decay": WEIGHT_DECAY},
     "peak_formula": "argument + output - alias + temp + generated_code (bytes per core)",
   }
+  if args.largest_batch:
+    if platform != "gpu":
+      raise SystemExit("--largest-batch compiles for a GPU topology (tpu_compile.py's for TPUs)")
+    return search_batches(args, mesh, result)
   run_rows(args, mesh, result)
   return report(result, args.out)
 
