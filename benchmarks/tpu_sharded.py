@@ -66,6 +66,7 @@ from reporting import cuda_plugin_version
 from reporting import libtpu_version
 from reporting import render_table
 from reporting import write_json
+from tpu_buffers import peak_bytes
 from tpu_buffers import request_dumps
 from tpu_buffers import slug
 from tpu_decoder import DECODER_1B
@@ -333,7 +334,8 @@ def _collective(row, kind) -> str:
 
 def format_table(rows: list[dict]) -> str:
   header = (
-    "dtype", "contender", "peak GiB", "temp GiB", "data peak over adamw / param shard", "GFLOPs", "/ adamw",
+    "dtype", "contender", "peak GiB", "temp GiB", "data peak over adamw / param shard",
+    "live over adamw / shard", "GFLOPs", "/ adamw",
     "all-reduce (n, MiB)", "all-gather (n, MiB)", "reduce-scatter (n, MiB)", "other",
     "compile s (wall / CPU)",
   )  # fmt: skip
@@ -347,9 +349,13 @@ def format_table(rows: list[dict]) -> str:
       if k not in main
     )  # fmt: skip
     extra = (data_peak(r) - data_peak(b)) / r["param_bytes_per_core"] if b else None
+    live = None
+    if b and r.get("live_peak_bytes") and b.get("live_peak_bytes"):
+      live = (r["live_peak_bytes"] - b["live_peak_bytes"]) / r["param_bytes_per_core"]
     cells.append((
       r["dtype"], r["contender"], f"{r['peak_bytes'] / GiB:.3f}", f"{r['temp_bytes'] / GiB:.3f}",
-      "-" if extra is None else f"{extra:.1f}", f"{r['flops'] / 1e9:.0f}",
+      "-" if extra is None else f"{extra:.1f}", "-" if live is None else f"{live:.1f}",
+      f"{r['flops'] / 1e9:.0f}",
       f"{r['flops'] / b['flops']:.3f}" if b else "-", *[_collective(r, k) for k in main],
       others or "-", f"{r['compile_s']:.0f} / {r['compile_cpu_s']:.0f}",
     ))  # fmt: skip
@@ -486,7 +492,8 @@ def run_rows(args, mesh, result) -> list[dict]:
       row, compiled = compile_row(mesh, args.config, dtype, name, args.per_core_batch)
       del compiled
       if args.dump:
-        _file_dump(args.dump, f"{dtype}-{name}")
+        folder = _file_dump(args.dump, f"{dtype}-{name}")
+        row["live_peak_bytes"] = _live_peak(folder)
       rows.append(row)
       print(f"  {dtype} {name}: peak {row['peak_bytes'] / GiB:.3f} GiB, "
             f"compiled in {row['compile_s']:.1f} s ({row['compile_cpu_s']:.1f} CPU s)", flush=True)  # fmt: skip
@@ -496,7 +503,13 @@ def run_rows(args, mesh, result) -> list[dict]:
   return rows
 
 
-def _file_dump(root: pathlib.Path, row: str) -> None:
+def _live_peak(folder: pathlib.Path) -> int | None:
+  """The bytes live at the step's peak (XLA's live-range dump), without the heap's packing."""
+  found = sorted(folder.glob("*after_optimizations-live-range.txt"))
+  return peak_bytes(found[-1].read_text()) if found else None
+
+
+def _file_dump(root: pathlib.Path, row: str) -> pathlib.Path:
   """Moves the step's dumped files into ``root/<row>`` and drops the other programs' files."""
   folder = root / slug(row)
   folder.mkdir(parents=True, exist_ok=True)
@@ -507,6 +520,7 @@ def _file_dump(root: pathlib.Path, row: str) -> None:
       path.unlink()
     else:
       shutil.rmtree(path)
+  return folder
 
 
 SEARCHED = ("adamw", "optax.contrib.sam", "gsam", "sam", "momentum_sam")
