@@ -37,7 +37,36 @@ import jax
 jax.config.update("jax_num_cpu_devices", 8)
 
 
+import functools  # noqa: E402
+
+import jax.numpy as jnp  # noqa: E402
 import pytest  # noqa: E402
+
+
+@functools.cache
+def float16_compiles() -> bool:
+  """Whether XLA's CPU JIT can convert float16 here. Its float16 conversions are library calls
+  (``__extendhfsf2``, ``__truncsfhf2``) that it has only with F16C, which
+  ``XLA_FLAGS=--xla_cpu_max_isa=SSE4_2`` turns off."""
+  try:
+    jax.jit(lambda x: (x.astype(jnp.float16) * 2).astype(jnp.float32))(
+      jnp.ones(2)
+    ).block_until_ready()
+  except Exception as error:
+    # The exception says "Failed to materialize symbols"; XLA's log names them.
+    if any(text in str(error) for text in ("materialize symbols", "__extendhfsf2")):
+      return False
+    raise
+  return True
+
+
+def pytest_collection_modifyitems(config, items):
+  """Tests marked ``float16`` skip, saying why, where XLA's CPU JIT has no float16."""
+  marked = [item for item in items if item.get_closest_marker("float16")]
+  if marked and not float16_compiles():
+    reason = "XLA's CPU JIT converts float16 only with F16C (off under --xla_cpu_max_isa=SSE4_2)"
+    for item in marked:
+      item.add_marker(pytest.mark.skip(reason=reason))
 
 
 @pytest.fixture

@@ -14,8 +14,14 @@ def python_blocks(page: pathlib.Path) -> list[str]:
   return BLOCK.findall(page.read_text())
 
 
+def _marked(page: pathlib.Path):
+  """A page whose examples compute in float16 is marked ``float16`` (conftest.py)."""
+  uses_float16 = any("float16" in block for block in python_blocks(page))
+  return pytest.param(page, marks=pytest.mark.float16) if uses_float16 else page
+
+
 @pytest.mark.parametrize(
-  "page", [p for p in PAGES if python_blocks(p)], ids=lambda p: str(p.relative_to(ROOT))
+  "page", [_marked(p) for p in PAGES if python_blocks(p)], ids=lambda p: str(p.relative_to(ROOT))
 )
 def test_page_examples_run(page, capsys):
   namespace = {"__name__": f"docs_{page.stem}"}

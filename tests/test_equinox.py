@@ -1,10 +1,11 @@
 """Equinox train steps with GSAM, written the way Equinox users write them (docs/equinox.md).
 
-The checks are a user's: the step trains; at rho = 0 it is the plain step bitwise; at a tiny rho
-with SGD it is the plain step to O(rho) (the perturbed pass then runs within 1e-5 of the clean
-weights and must reproduce the clean gradient, which rho = 0 does not exercise: there the
-transform outputs the clean gradient); both passes draw the same dropout mask; and BatchNorm's
-state comes from the clean pass only. Each check has a wrong variant beside it that it catches.
+The checks are a user's: the step trains; at rho = 0 it is the plain step (to float rounding:
+two compiled programs); at a tiny rho with SGD it is the plain step to O(rho) (the perturbed pass
+then runs within 1e-5 of the clean weights and must reproduce the clean gradient, which rho = 0
+does not exercise: there the transform outputs the clean gradient); both passes draw the same
+dropout mask; and BatchNorm's state comes from the clean pass only. Each check has a wrong variant
+beside it that it catches.
 """
 
 import functools
@@ -165,11 +166,14 @@ def test_gsam_step_trains_and_the_state_comes_from_the_clean_pass():
   assert max_diff(state_arrays(clean_state), state_arrays(perturbed_state)) > 1e-3
 
 
-def test_rho_zero_makes_the_adam_step_bitwise_plain():
+def test_rho_zero_makes_the_adam_step_plain():
   plain = run(optax.adam(1e-2))
   at_zero = run(optax.chain(optax_gsam.gsam(0.0, 0.3), optax.adam(1e-2)))
-  jax.tree.map(np.testing.assert_array_equal, at_zero[0], plain[0])
-  jax.tree.map(np.testing.assert_array_equal, state_arrays(at_zero[1]), state_arrays(plain[1]))
+  # Two compiled programs: equal up to float32 rounding, which depends on how XLA compiles the
+  # clean pass in each (and on the CPU's kernels); a mistake would move the params by O(lr).
+  close = lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+  jax.tree.map(close, at_zero[0], plain[0])
+  jax.tree.map(close, state_arrays(at_zero[1]), state_arrays(plain[1]))
 
 
 # --- item 1: the errors of a first conversion name the fix ----------------------------------

@@ -271,6 +271,7 @@ def scaled_state(params, tx, scale):
   )
 
 
+@pytest.mark.float16
 def test_dynamic_scale_recipe_scales_the_perturbed_pass():
   """In float16 a gradient of ~1e-9 underflows unless the loss is scaled, in both passes."""
   x = jnp.linspace(0.5, 1.5, 4)
@@ -294,6 +295,7 @@ def test_dynamic_scale_recipe_scales_the_perturbed_pass():
   chex.assert_trees_all_close(wrong.params, params)
 
 
+@pytest.mark.float16
 def test_dynamic_scale_recipe_with_on_nonfinite_clean_and_apply_if_finite():
   tx = optax.chain(
     optax_gsam.gsam(rho=40.0, alpha=0.3, on_nonfinite="clean"),

@@ -177,7 +177,9 @@ def _frexp_exponent(tree):
   return jnp.clip(jnp.frexp(largest)[1], -120, 120)
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize(
+  "dtype", [jnp.float32, jnp.bfloat16, pytest.param(jnp.float16, marks=pytest.mark.float16)]
+)
 def test_the_cpu_norms_exponent_is_frexps_eager_and_jitted(dtype):
   with np.errstate(all="ignore"):  # float16 overflows 1e38 to inf, a case of its own
     pairs = jnp.asarray(np.asarray([[value, -value / 2] for value in EXPONENT_CASES]), dtype)

@@ -113,20 +113,27 @@ def _plain_and(before):
 
 
 @pytest.mark.parametrize(
-  "wrap",
+  "wrap, bitwise",
   [
-    lambda plain: optax.chain(optax.identity(), optax_gsam.sam(0.05), optax.sgd(0.1)),
-    lambda plain: optax.named_chain(
-      ("noop", optax.identity()), ("sam", optax_gsam.sam(0.05)), ("sgd", optax.sgd(0.1))
+    (lambda plain: optax.chain(optax.identity(), optax_gsam.sam(0.05), optax.sgd(0.1)), True),
+    (
+      lambda plain: optax.named_chain(
+        ("noop", optax.identity()), ("sam", optax_gsam.sam(0.05)), ("sgd", optax.sgd(0.1))
+      ),
+      True,
     ),
-    lambda plain: optax.chain(optax.identity(), plain),
-    lambda plain: optax.MultiSteps(plain, every_k_schedule=1),
+    (lambda plain: optax.chain(optax.identity(), plain), True),
+    # MultiSteps runs the chain inside a lax.cond, which compiles it as one program even eagerly.
+    (lambda plain: optax.MultiSteps(plain, every_k_schedule=1), False),
   ],
   ids=["identity", "named-identity", "identity-nested", "multisteps-1"],
 )
-def test_what_loses_nothing_is_accepted_and_gives_the_plain_chains_answer(wrap):
+def test_what_loses_nothing_is_accepted_and_gives_the_plain_chains_answer(wrap, bitwise):
   expected, got = _plain_and(wrap)
-  np.testing.assert_array_equal(got, expected)
+  if bitwise:  # the identity passes the gradient on: the same operations, eagerly
+    np.testing.assert_array_equal(got, expected)
+  else:  # two programs (compiled vs eager): equal up to float32 rounding, which depends on the CPU
+    np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-7)
 
 
 def test_multisteps_with_one_step_under_jit_over_several_steps():

@@ -75,7 +75,12 @@ def _laid_out_like(outputs: list[Any], operands: tuple) -> list[Any]:
 
 
 def _same_type(a: Any, b: Any) -> bool:
-  return a.shape == b.shape and a.dtype == b.dtype and varying_axes(a) == varying_axes(b)
+  # Arrays, or the Python scalars a jaxpr may return.
+  return (jnp.shape(a), jnp.result_type(a), varying_axes(a)) == (
+    jnp.shape(b),
+    jnp.result_type(b),
+    varying_axes(b),
+  )
 
 
 def _partitioner_lays_out(x: Any) -> bool:
