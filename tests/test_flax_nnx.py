@@ -456,3 +456,56 @@ def test_a_loss_helper_without_the_optimizers_wrt_names_wrt():
   )
   with pytest.raises(ValueError, match=r"nnx_microbatch_loss_fn\(loss_fn, model, \.\.\., wrt="):
     nnx.jit(micro_step)(model, micro)
+
+
+class LoRALinearNet(nnx.Module):
+  def __init__(self, rngs):
+    self.hidden = nnx.LoRALinear(512, 1024, lora_rank=8, rngs=rngs)
+    self.out = nnx.LoRALinear(1024, 1024, lora_rank=8, rngs=rngs)
+
+  def __call__(self, x):
+    return self.out(nnx.relu(self.hidden(x)))
+
+
+def integer_cross_entropy(model, x, y):  # the loss of docs/fine_tuning.md's NNX LoRA step
+  return optax.softmax_cross_entropy_with_integer_labels(model(x), y).mean()
+
+
+def _lora_step_peak(first):
+  """The compiled peak of a donated NNX LoRA step under nnx.Optimizer(wrt=nnx.LoRAParam)."""
+  model = LoRALinearNet(nnx.Rngs(0))
+  tx = optax.adamw(1e-2) if first is None else optax.chain(first, optax.adamw(1e-2))
+  optimizer = nnx.Optimizer(model, tx, wrt=nnx.LoRAParam)
+  graphdef, state = nnx.split((model, optimizer))
+  diff = nnx.DiffState(0, nnx.LoRAParam)
+
+  def step(state, x, y):
+    model, optimizer = nnx.merge(graphdef, state)
+    perturbed = nnx_loss_fn(integer_cross_entropy, model, x, y, wrt=nnx.LoRAParam)
+    loss, grads = nnx.value_and_grad(integer_cross_entropy, argnums=diff)(model, x, y)
+    if first is None:
+      optimizer.update(model, grads)
+    else:
+      optimizer.update(model, grads, loss_fn=perturbed, value=loss)
+    return nnx.state((model, optimizer))
+
+  x, y = jnp.ones((64, 512)), jnp.arange(64) % 1024
+  memory = jax.jit(step, donate_argnums=0).lower(state, x, y).compile().memory_analysis()
+  peak = memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes
+  trained = sum(v.size * v.dtype.itemsize for v in jax.tree.leaves(nnx.state(model, nnx.LoRAParam)))
+  return peak + memory.temp_size_in_bytes, trained
+
+
+def test_lora_adapters_cost_at_most_the_trained_leaves_buffers_the_maths_needs():
+  """Over AdamW, in trained-leaf buffers: the perturbed adapters and the clean gradient (2),
+  the perturbed adapters alone without diagnostics (1); the base weights' size never enters."""
+  base, trained = _lora_step_peak(None)
+  over = {
+    name: (_lora_step_peak(tx)[0] - base) / trained
+    for name, tx in [
+      ("sam", optax_gsam.sam(0.05)),
+      ("gsam", optax_gsam.gsam(0.05, 0.3)),
+      ("sam diagnostics=False", optax_gsam.sam(0.05, diagnostics=False)),
+    ]
+  }
+  assert over["sam"] <= 2 and over["gsam"] <= 2 and over["sam diagnostics=False"] <= 1, over

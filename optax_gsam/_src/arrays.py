@@ -195,30 +195,26 @@ def materialized_on_tpu(tree: Any) -> Any:
 def all_finite(tree: Any) -> jax.Array:
   """Whether every entry of ``tree`` is finite, as one sum per leaf.
 
-  ``x * 0`` is 0 for a finite entry and NaN for an infinite or NaN one, and a sum
-  of zeros cannot overflow, so the sum is finite exactly when every entry is.
-  Unlike ``jnp.all(jnp.isfinite(x))``, which XLA's CPU compiler materializes as
-  a boolean array (a quarter of a float32 parameter buffer) before reducing it,
-  the product fuses into the sum. (A maximum of ``|x|`` would not do: the CPU's
-  vectorized maximum drops NaNs.)
+  ``x - x`` is 0 for a finite entry and NaN for an infinite or NaN one, and a sum of zeros
+  cannot overflow, so the sum is finite exactly when every entry is. Unlike
+  ``jnp.all(jnp.isfinite(x))``, which XLA's CPU compiler materializes as a boolean array (a
+  quarter of a float32 parameter buffer) before reducing it, the difference fuses into the sum.
+  (A maximum of ``|x|`` would not do: the CPU's vectorized maximum drops NaNs.) The TPU keeps
+  the form it was measured with, ``x * 0``: elsewhere the parameter-shaped zero it multiplies
+  by is one constant with every other zero of that shape (StableHLO's canonicalization), among
+  them a backward pass's gradient accumulators, and the CPU and GPU compilers then hold a copy
+  of it through the perturbed pass (the GPU: one parameter buffer on a scanned model; the CPU:
+  0.3 trained-leaf buffers of an NNX LoRA step).
   """
   leaves = jax.tree.leaves(tree)
   if not leaves:
     return jnp.asarray(True)
-  return jax.lax.platform_dependent(leaves, cuda=_all_finite_by_differences, default=_all_finite)
+  return jax.lax.platform_dependent(leaves, tpu=_all_finite_by_products, default=_all_finite)
 
 
 def _all_finite(leaves: list[Any]) -> jax.Array:
-  return jnp.all(jnp.stack([jnp.isfinite(jnp.sum(x * 0)) for x in leaves]))
-
-
-def _all_finite_by_differences(leaves: list[Any]) -> jax.Array:
-  """:func:`all_finite` as sums of ``x - x``, for the GPU compiler.
-
-  ``x * 0`` multiplies by a parameter-shaped zero, which StableHLO's canonicalization makes one
-  constant with every other zero of that shape, among them a scanned model's gradient
-  accumulators: the GPU compiler then copies it before the clean backward pass and holds the
-  copy through the perturbed one (one parameter buffer). ``x - x`` is 0 or NaN alike, with no
-  constant.
-  """
   return jnp.all(jnp.stack([jnp.isfinite(jnp.sum(x - x)) for x in leaves]))
+
+
+def _all_finite_by_products(leaves: list[Any]) -> jax.Array:
+  return jnp.all(jnp.stack([jnp.isfinite(jnp.sum(x * 0)) for x in leaves]))
