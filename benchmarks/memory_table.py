@@ -1,7 +1,8 @@
 """One table of every step's memory against what its maths needs, from the recorded results.
 
 Reads the compiled-memory results the other scripts wrote (no compiling): the FSDP decoder and
-residual MLP on the v4-64 compiler (``tpu_sharded.json``, ``tpu_sharded_mlp.json``), the
+residual MLP on the v4-64 compiler (``tpu_sharded.json``, ``tpu_sharded_mlp.json``), the same
+steps and a scanned ViT-L/16 on the GPU compiler for 8 H100s (``gpu_sharded*.json``), the
 replicated ViT-B/32 on the v3-64 compiler (``tpu_compile.json``) and the CPU MLP on micro-batches
 (``microbatches_memory.json``), and what is live at each missed TPU cell's peak
 (``tpu_live.json``, from ``tpu_live.py``'s dumps). For each model and step: the peak of the data
@@ -30,7 +31,8 @@ from compiled_hlo import data_peak  # the benchmarks folder is on sys.path when 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 LIVE = "tpu_live.json"  # what is live at each missed TPU cell's peak (tpu_live.py)
 FILES = ("tpu_sharded.json", "tpu_sharded_mlp.json", "tpu_compile.json",
-         "tpu_compile_microbatches.json", "microbatches_memory.json", LIVE)  # fmt: skip
+         "tpu_compile_microbatches.json", "microbatches_memory.json", LIVE, "gpu_sharded.json",
+         "gpu_sharded_vit.json", "gpu_sharded_mlp.json")  # fmt: skip
 GiB = 2**30
 MiB = 2**20
 # A live excess within the need by at most this counts as within: tpu_live.py keeps the kinds of
@@ -79,6 +81,13 @@ TPU_MODELS = {
   TPU_MODEL_LABELS["vit"]: ("tpu_compile.json", VIT_STEPS),
   TPU_MODEL_LABELS["vit256"]: ("tpu_compile_microbatches.json", VIT_MICROBATCH_STEPS),
 }
+# The same FSDP steps compiled by the GPU compiler for one host of 8 H100s (tpu_sharded.py
+# --topology 8xh100), with no GPU attached. tests/test_gpu_compile.py guards their fix.
+GPU_MODELS = {
+  "FSDP ViT-L/16 scanned, 8 x H100, 128 images": ("gpu_sharded_vit.json", TPU_STEPS),
+  "FSDP decoder 1.04B, 8 x H100": ("gpu_sharded.json", TPU_STEPS),
+  "FSDP residual MLP 537M, 8 x H100": ("gpu_sharded_mlp.json", TPU_STEPS),
+}
 
 
 def _tpu_rows(model: str, result: dict, steps) -> list[dict]:
@@ -106,7 +115,11 @@ def tpu_cell(step: dict, reference: dict, needs: int | str) -> dict:
     return {"peak_GiB": peak / GiB, "ratio": peak / base,
             "met": peak <= float(needs.rstrip("x")) * base}  # fmt: skip
   over = (peak - base) / p
-  return {"peak_GiB": peak / GiB, "over_P": over, "met": over <= needs}
+  cell = {"peak_GiB": peak / GiB, "over_P": over, "met": over <= needs}
+  if step.get("live_peak_bytes") and reference.get("live_peak_bytes"):  # the GPU's own dumps
+    live = (step["live_peak_bytes"] - reference["live_peak_bytes"]) / p
+    cell.update(live_over_P=live, param_bytes=p)
+  return cell
 
 
 def _cpu_rows(result: dict) -> list[dict]:
@@ -163,6 +176,9 @@ def collect() -> list[dict]:
   for model, (_, steps) in TPU_MODELS.items():
     rows.extend(_tpu_rows(model, recorded_result(model), steps))
   _add_live(rows, read(LIVE))
+  for model, (name, steps) in GPU_MODELS.items():
+    if (RESULTS / name).exists():
+      rows.extend(_tpu_rows(model, read(name), steps))
   return [
     *rows,
     *_cpu_rows(read("microbatches_memory.json")),

@@ -101,6 +101,19 @@ def test_the_isolated_pass_gives_the_inlined_numbers(name):
   assert isolated_calls == inlined_calls  # the user's Python is traced no more often
 
 
+def test_a_pass_without_a_loop_is_not_isolated(isolated_on_cpu):
+  """Nothing to isolate without a scan: the pass is inlined, the program has no conditional."""
+  tx = optax.chain(optax_gsam.sam(RHO), optax.sgd(0.1))
+  params = _params()
+  loss_fn = lambda p: jnp.mean((jnp.tanh(X @ p["w"]) @ p["v"] - Y) ** 2)
+
+  def step(p, s):
+    return tx.update(jax.grad(loss_fn)(p), s, p, loss_fn=loss_fn)
+
+  text = jax.jit(step).lower(params, tx.init(params)).compile().as_text()
+  assert " conditional(" not in text
+
+
 def test_the_conditional_is_compiled_only_where_asked():
   tx = optax.chain(optax_gsam.sam(RHO), optax.sgd(0.1))
   params = _params()
@@ -200,11 +213,12 @@ def test_pmap_through_the_branch():
 def test_integer_leaves_and_aux_outputs_through_the_branch(isolated_on_cpu):
   """A float0 gradient and a (loss, aux) value: the branch never taken matches their types."""
   params = {"w": jnp.ones(3), "step": jnp.zeros((), jnp.int32)}
-  value_and_grad = jax.value_and_grad(
-    lambda p: (jnp.sum(jnp.sin(p["w"])), {"norm": jnp.linalg.norm(p["w"])}),
-    has_aux=True,
-    allow_int=True,
-  )
+
+  def loss(p):  # a scan, so that the pass is isolated
+    total, _ = jax.lax.scan(lambda c, w: (c + jnp.sin(w), None), 0.0, p["w"])
+    return total, {"norm": jnp.linalg.norm(p["w"])}
+
+  value_and_grad = jax.value_and_grad(loss, has_aux=True, allow_int=True)
   out = isolation.isolated_on_gpu(value_and_grad, params)
   (value, aux), grads = jax.jit(functools.partial(isolation.isolated_on_gpu, value_and_grad))(
     params
