@@ -334,3 +334,16 @@ def test_a_missed_cell_splits_into_live_buffers_and_packing():
   assert memory_table.live_within_needs({"over_P": 3.0}, 2) is None
   names = ("all-reduce.781", "broadcast.149.clone.63", "cond/branch_0_fun/Block_11/Dense_0/dot")
   assert [tpu_live.kind(n) for n in names] == ["all-reduce", "broadcast", "Block_*/Dense_*/dot"]
+
+
+def test_gpu_runtime_smoke(tmp_path):
+  """The prepared GPU check runs end to end on the CPU (no peak statistics there)."""
+  import gpu_runtime
+
+  out = tmp_path / "gpu_runtime.json"
+  argv = ["--quick", "--dtypes", "f32", "--steps", "1", "--rounds", "1", "--out", str(out)]
+  result = gpu_runtime.main([*argv, "--contenders", "adamw", "optax.contrib.sam", "gsam"])
+  rows = {r["contender"]: r for r in result["rows"]}
+  assert set(rows) == {"adamw", "optax.contrib.sam", "gsam"}
+  assert rows["adamw"]["time / adamw"] == 1.0 and rows["gsam"]["seconds_per_step"] > 0
+  assert all(r["compiled"] > 0 for r in rows.values()) and out.is_file()
