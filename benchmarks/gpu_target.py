@@ -44,6 +44,8 @@ H100_SXM = GpuTarget(
   shared_memory_per_block_optin=227 * 1024,
 )
 TARGETS = {"h100": H100_SXM}
+# The share of a GPU's memory JAX's client preallocates and runs in by default.
+CLIENT_MEMORY_FRACTION = 0.75
 
 
 def target_config(target: GpuTarget, memory_bytes: int | None = None) -> str:
