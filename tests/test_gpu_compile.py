@@ -8,7 +8,9 @@ limit below. They run where the ``gpu-compile`` extra is installed (``.ci/run`` 
 with the reason elsewhere.
 """
 
+import functools
 import importlib.util
+import json
 
 import jax
 import jax.numpy as jnp
@@ -172,3 +174,60 @@ def test_fsdp_on_eight_gpus_keeps_the_gradients_sharded_and_the_need(tmp_path):
   # Scalars only: an all-reduced gradient (48 MiB on a ViT-L/16) would be parameter-sized.
   contrib = _all_reduce_bytes(steps["optax.contrib.sam"]["hlo"])
   assert _all_reduce_bytes(steps["gsam"]["hlo"]) <= contrib + 1024
+
+
+# --- The memory table's met GPU cells, compiled again at full size -------------------------
+
+
+def _gpu_met_cells():
+  import memory_table  # benchmarks/
+
+  recorded = json.loads((memory_table.RESULTS / "memory_table.json").read_text())["rows"]
+  return [
+    (row["model"], row["step"], row["over"], dtype)
+    for row in recorded
+    if row["model"] in memory_table.GPU_MODELS and not row["step"].endswith("(reference)")
+    for dtype in ("f32", "bf16")
+    if row.get(dtype, {}).get("met")
+  ]
+
+
+@functools.cache
+def _recompiled(model, name, dtype):
+  """One step's row compiled now at the model, batch and topology its result file records."""
+  import memory_table
+  import tpu_sharded
+
+  result = json.loads((memory_table.RESULTS / memory_table.GPU_MODELS[model][0]).read_text())
+  fields = {k: v for k, v in result["model"].items() if k != "name"}
+  import tpu_decoder
+
+  config = {"vit": tpu_sharded.ViTConfig, "decoder": tpu_decoder.DecoderConfig,
+            "mlp": tpu_sharded.MLPConfig}[result["model"]["name"]](**fields)  # fmt: skip
+  mesh = tpu_sharded.mesh_of(result["topology"])
+  row, _ = tpu_sharded.compile_row(mesh, config, dtype, name, result["per_core_batch"])
+  recorded = {(r["contender"], r["dtype"]): r for r in result["rows"]}[name, dtype]
+  assert row["argument_bytes"] == recorded["argument_bytes"], name  # the program recorded
+  return row
+
+
+@pytest.mark.gpu_limits
+@pytest.mark.parametrize("cell", _gpu_met_cells(), ids=lambda c: " ".join(c))
+def test_every_met_gpu_cell_is_still_met(cell):
+  """Each GPU cell the recorded memory table marks met, compiled again at full size: a change
+  that brings the second copy of the activations (or any held buffer) back fails here."""
+  import memory_table
+
+  model, label, over, dtype = cell
+  name, reference, needs = next(
+    (name, reference, needs)
+    for step_label, name, reference, needs in memory_table.GPU_MODELS[model][1]
+    if step_label == label and reference == over
+  )
+  entry = memory_table.tpu_cell(
+    _recompiled(model, name, dtype),
+    _recompiled(model, reference, dtype),
+    needs,
+    memory_table.LIVE_TOLERANCE_BYTES,
+  )
+  assert entry["met"], (cell, entry)
