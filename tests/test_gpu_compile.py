@@ -100,7 +100,10 @@ def _compile(name, sharding, dump):
   batch = jax.ShapeDtypeStruct((BATCH, SEQ, WIDTH), jnp.float32, sharding=sharding(None))
   lowered = jax.jit(step, donate_argnums=(0, 1)).lower(params, state, batch)
   folder = dump / name.replace(" ", "_").replace("=", "")
-  compiled = lowered.compile(compiler_options={"xla_dump_to": str(folder)})
+  # The Triton GEMM flag per compile too: XLA_FLAGS is read once, when the first backend starts,
+  # and another test module may have started the CPU's before gpu_target sets it.
+  options = {"xla_dump_to": str(folder), "xla_gpu_enable_triton_gemm": False}
+  compiled = lowered.compile(compiler_options=options)
   memory = compiled.memory_analysis()
   peak = (
     memory.argument_size_in_bytes
