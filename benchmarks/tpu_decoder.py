@@ -35,6 +35,17 @@ DECODER_1B = DecoderConfig(width=2048, depth=18, heads=16, mlp=8192, vocab=32768
 DECODER_QUICK = DecoderConfig(width=128, depth=2, heads=4, mlp=512, vocab=512, seq=32)
 
 
+def scanned_blocks(block: type[nn.Module], depth: int) -> Any:
+  """``depth`` rematerialized copies of ``block`` in one ``nn.scan`` over stacked parameters
+  (large-model trainers' layout: the backward pass keeps only each block's input)."""
+  return nn.scan(
+    nn.remat(block, prevent_cse=False),
+    variable_axes={"params": 0},
+    split_rngs={"params": True},
+    length=depth,
+  )
+
+
 class Block(nn.Module):
   """Pre-LayerNorm block; returns ``(x, None)`` for ``nn.scan``."""
 
@@ -75,12 +86,7 @@ class Decoder(nn.Module):
     x = nn.Embed(c.vocab, c.width, name="embed")(tokens)
     x = x + self.param("pos", nn.initializers.normal(0.02), (c.seq, c.width))
     x = self.constrain(x.astype(self.dtype))
-    blocks = nn.scan(
-      nn.remat(Block, prevent_cse=False),
-      variable_axes={"params": 0},
-      split_rngs={"params": True},
-      length=c.depth,
-    )
+    blocks = scanned_blocks(Block, c.depth)
     x, _ = blocks(c, self.dtype, self.constrain, name="blocks")(x, None)
     x = nn.LayerNorm(dtype=self.dtype, name="ln_f")(x)
     return nn.Dense(c.vocab, dtype=self.dtype, name="head")(x).astype(jnp.float32)

@@ -14,6 +14,7 @@ from typing import Any
 
 import flax.linen as nn
 import jax.numpy as jnp
+from tpu_decoder import scanned_blocks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,12 +100,7 @@ class ScannedViT(nn.Module):
     )
     x = x.reshape(x.shape[0], -1, c.width)
     x = keep(x + self.param("pos", nn.initializers.normal(0.02), (1, x.shape[1], c.width)))
-    blocks = nn.scan(
-      nn.remat(ScannedBlock, prevent_cse=False),
-      variable_axes={"params": 0},
-      split_rngs={"params": True},
-      length=c.depth,
-    )
+    blocks = scanned_blocks(ScannedBlock, c.depth)
     x, _ = blocks(c, self.dtype, self.constrain, name="blocks")(x, None)
     x = nn.LayerNorm(dtype=self.dtype)(x).mean(axis=1)
     return nn.Dense(c.classes, dtype=self.dtype)(x).astype(jnp.float32)
