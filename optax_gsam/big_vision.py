@@ -30,12 +30,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_gsam._src import perturbation as pert
-from optax_gsam._src.ascent import adaptive_ascent
-from optax_gsam._src.schedules import rho_from_lr
-from optax_gsam._src.schedules import schedule_extrema
-from optax_gsam._src.sharpness import gsam
-from optax_gsam._src.validation import check_non_negative
+from optax_gsam._src.core.validation import check_non_negative
+from optax_gsam._src.directions import perturbation as pert
+from optax_gsam._src.directions.ascent import adaptive_ascent
+from optax_gsam._src.policies.schedules import rho_from_lr
+from optax_gsam._src.policies.schedules import schedule_extrema
+from optax_gsam._src.transforms.sharpness import gsam
 from optax_gsam.typing import AxisName
 
 __all__ = (

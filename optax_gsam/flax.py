@@ -41,9 +41,9 @@ import optax
 from flax import nnx
 from flax.training import train_state
 
-from optax_gsam._src.user_functions import UPDATE_KEYWORDS
-from optax_gsam._src.user_functions import MissingLossFunctionError
-from optax_gsam._src.user_functions import call_form_error
+from optax_gsam._src.calls.user_functions import UPDATE_KEYWORDS
+from optax_gsam._src.calls.user_functions import MissingLossFunctionError
+from optax_gsam._src.calls.user_functions import call_form_error
 
 __all__ = ("TrainState", "nnx_loss_fn", "nnx_microbatch_loss_fn")
 

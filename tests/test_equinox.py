@@ -20,7 +20,7 @@ import optax
 import pytest
 
 import optax_gsam
-from optax_gsam._src import user_functions
+from optax_gsam._src.calls import user_functions
 
 LR = 0.1
 SGD = optax.sgd(LR)

@@ -386,7 +386,7 @@ def test_apply_gradients_rejects_keywords_that_nothing_reads(keyword, suggestion
 
 
 def test_update_keyword_near_misses_are_caught_for_the_core_transforms():
-  from optax_gsam._src.user_functions import check_extra_args
+  from optax_gsam._src.calls.user_functions import check_extra_args
 
   with pytest.raises(TypeError, match=r"valu=.*did you mean value="):
     check_extra_args(["valu"])

@@ -1,6 +1,6 @@
 """The perturbed pass as a conditional branch of its own (the GPU's program), run on the CPU.
 
-``optax_gsam._src.isolation`` compiles the perturbed pass as the taken branch of a conditional
+``optax_gsam._src.step.isolation`` compiles the perturbed pass as the taken branch of a conditional
 on the GPU only. Here the CPU is added to its platforms, so the same program runs on the CPU:
 every composition gives the numbers of the inlined pass, the loss function's Python runs once
 per trace, and the compiled program holds the conditional (and only with the CPU added).
@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optax_gsam
-from optax_gsam._src import isolation
+from optax_gsam._src.step import isolation
 
 RHO, ALPHA = 0.05, 0.3
 X = jnp.linspace(-1.0, 1.0, 8 * 6).reshape(8, 6)

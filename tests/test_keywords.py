@@ -9,7 +9,7 @@ import optax
 import pytest
 
 import optax_gsam
-from optax_gsam._src.gsam_arguments import SHARPNESS_DEFAULTS
+from optax_gsam._src.transforms.gsam_arguments import SHARPNESS_DEFAULTS
 
 FACTORIES = [optax_gsam.gsam, optax_gsam.sam]
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import optax_gsam
-from optax_gsam._src import perturbation as perturbation_src
+from optax_gsam._src.directions import perturbation as perturbation_src
 
 
 def _tree(rng, scale=1.0, dtype=np.float64):

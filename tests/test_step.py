@@ -1,4 +1,4 @@
-"""The stages of one update (optax_gsam._src.step), each tested alone."""
+"""The stages of one update (optax_gsam._src.step.step), each tested alone."""
 
 import jax
 import jax.numpy as jnp
@@ -6,8 +6,8 @@ import numpy as np
 from _problems import optimization_barriers
 
 import optax_gsam
-from optax_gsam._src import microbatch
-from optax_gsam._src import step
+from optax_gsam._src.microbatches import microbatch
+from optax_gsam._src.step import step
 
 
 def settings(**overrides):

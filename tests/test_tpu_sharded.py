@@ -92,7 +92,7 @@ def test_peak_breakdown_is_read_from_the_live_range_dump():
 # sequences of 128 tokens over a vocabulary of 8192, so one core's float32 logits are 16 MiB.
 # Where the TPU compiler defers the clean loss's last reduction past the perturbed pass, those
 # logits stay live through it. Data peaks (argument + output - alias + temp) over AdamW's, in
-# MiB: without the barrier that ends the clean pass (optax_gsam._src.arrays.materialized_on_tpu)
+# MiB: without the barrier that ends the clean pass (optax_gsam._src.core.arrays.materialized_on_tpu)
 # gsam 22.5, sam 24.6, sam(diagnostics=False) 20.9; with it 8.9, 8.5 and 4.8.
 LOGITS_DECODER = {"width": 256, "depth": 2, "heads": 4, "mlp": 1024, "vocab": 8192, "seq": 128}
 LOGITS_BYTES = 4 * 128 * 8192 * 4

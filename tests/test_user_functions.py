@@ -1,4 +1,4 @@
-"""The user's loss function (optax_gsam._src.user_functions): accepted forms, and a clear
+"""The user's loss function (optax_gsam._src.calls.user_functions): accepted forms, and a clear
 error, with the fix, for each way to get it wrong."""
 
 import jax
@@ -178,7 +178,7 @@ def test_update_reads_its_keywords_from_what_the_chain_forwards():
   Another transform's keywords pass through; a near miss of a keyword the method reads is a
   TypeError naming the method; momentum_sam refuses ``perturb=False`` (a step it never takes).
   """
-  from optax_gsam._src.user_functions import UPDATE_KEYWORDS
+  from optax_gsam._src.calls.user_functions import UPDATE_KEYWORDS
 
   w = jnp.array([1.0, -2.0, 0.5])
   loss_fn = lambda v: jnp.sum(v**2) + jnp.sum(v**3)

@@ -1,0 +1,1 @@
+"""Shared by every concern: dtypes and arrays, argument checks, keyword groups."""

@@ -1,0 +1,1 @@
+"""Frozen parameters: neither perturbed nor differentiated."""

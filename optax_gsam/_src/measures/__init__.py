@@ -1,0 +1,1 @@
+"""Sharpness measured: Hessian curvature and worst-case (m-)sharpness."""

@@ -1,0 +1,1 @@
+"""When a step is full: rho schedules and the cheap-step policies."""

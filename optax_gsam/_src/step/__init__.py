@@ -1,0 +1,1 @@
+"""One gsam/sam update, stage by stage, and the state it carries."""

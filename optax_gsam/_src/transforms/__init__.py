@@ -1,0 +1,1 @@
+"""The public transforms: gsam and sam, their argument checks, and momentum_sam."""
