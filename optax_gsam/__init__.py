@@ -45,6 +45,14 @@ from optax_gsam._src.policies.schedules import rho_from_lr
 from optax_gsam._src.policies.schedules import schedule_extrema
 from optax_gsam._src.step.state import GSAMState
 from optax_gsam._src.step.step_due import full_step_due
+from optax_gsam._src.trajectory.loss import trajectory_loss
+from optax_gsam._src.trajectory.mesa import MESAState
+from optax_gsam._src.trajectory.mesa import mesa_ema
+from optax_gsam._src.trajectory.mesa import mesa_targets
+from optax_gsam._src.trajectory.saf import SAFStore
+from optax_gsam._src.trajectory.saf import saf_record
+from optax_gsam._src.trajectory.saf import saf_store
+from optax_gsam._src.trajectory.saf import saf_targets
 from optax_gsam._src.transforms.momentum_sam import MomentumSAMState
 from optax_gsam._src.transforms.momentum_sam import momentum_sam
 from optax_gsam._src.transforms.sharpness import gsam
@@ -57,8 +65,10 @@ __all__ = (
   "GSAMState",
   "GradientNormState",
   "GradientStats",
+  "MESAState",
   "MomentumSAMState",
   "RandomPolicyState",
+  "SAFStore",
   "SharpnessPolicy",
   "SpectralDensity",
   "TraceEstimate",
@@ -83,6 +93,8 @@ __all__ = (
   "hessian_trace",
   "hessian_vector_product",
   "m_sharpness",
+  "mesa_ema",
+  "mesa_targets",
   "momentum_sam",
   "normalized_ascent",
   "orthogonal_component",
@@ -91,10 +103,14 @@ __all__ = (
   "random_policy",
   "reuse_direction",
   "rho_from_lr",
+  "saf_record",
+  "saf_store",
+  "saf_targets",
   "sam",
   "schedule_extrema",
   "siglip_loss",
   "stable_global_norm",
+  "trajectory_loss",
   "vasso_ascent",
 )
 

@@ -20,6 +20,7 @@ FLOORS = {
   "directions": 1,
   "parallel": 1,
   "gradient_cache": 1,
+  "trajectory": 1,
   "policies": 2,
   "microbatches": 2,
   "fine_tuning": 2,
