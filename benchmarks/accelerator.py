@@ -1,7 +1,7 @@
 """Runs the step-cost, generalization and gradient-cache benchmarks on an accelerator.
 
-    python benchmarks/accelerator.py            # full sizes
-    python benchmarks/accelerator.py --quick    # each benchmark's --quick mode
+    python -m benchmarks.accelerator            # full sizes
+    python -m benchmarks.accelerator --quick    # each benchmark's --quick mode
 
 Results go to ``benchmarks/results/<platform>-<device kind>/``: each script's
 JSON (and PNG), plus ``device.json`` with the device, the JAX version and the
@@ -22,7 +22,11 @@ import time
 import jax
 
 HERE = pathlib.Path(__file__).resolve().parent
-BENCHMARKS = ("step_cost", "generalization", "gradient_cache")
+BENCHMARKS = {  # name -> the module that runs it
+  "step_cost": "benchmarks.costs.step_cost",
+  "generalization": "benchmarks.science.generalization",
+  "gradient_cache": "benchmarks.costs.gradient_cache",
+}
 
 
 def results_dir(device: jax.Device) -> pathlib.Path:
@@ -61,7 +65,7 @@ def main(argv: list[str] | None = None) -> dict:
       continue
     print(f"\n=== {name} {' '.join(bench_args)}", flush=True)
     start = time.perf_counter()
-    importlib.import_module(name).main(bench_args)  # a script beside this one
+    importlib.import_module(BENCHMARKS[name]).main(bench_args)
     record["seconds"][name] = time.perf_counter() - start
   (out_dir / "device.json").write_text(json.dumps(record, indent=2) + "\n")
   print(f"\nwrote {out_dir}")

@@ -1,7 +1,7 @@
 """What the benchmark scripts share: contenders, vmapped training, tuning and timing.
 
-A script imports it as ``import harness``: running ``python benchmarks/<script>.py`` puts
-the script's folder on ``sys.path``, and pytest adds the folder through ``pythonpath``.
+A script imports it as ``from benchmarks import harness``: scripts run from the repository root
+as ``python -m benchmarks.<group>.<script>``, and pytest adds the root through ``pythonpath``.
 """
 
 from __future__ import annotations
@@ -19,22 +19,25 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from reporting import RESULTS_DIR as RESULTS_DIR  # re-exported: scripts call harness.save & co.
-from reporting import check as check
-from reporting import code_version as code_version
-from reporting import figure as figure
-from reporting import machine as machine
-from reporting import mean_std as mean_std
-from reporting import parser as parser
-from reporting import render_table as render_table
-from reporting import save as save
-from reporting import save_figure as save_figure
-from timing import Timed as Timed  # re-exported, as reporting's names
-from timing import hlo_stats as hlo_stats
-from timing import interleaved as interleaved
 
 import optax_gsam
 from optax_gsam import demo
+
+from benchmarks.reporting import (
+  RESULTS_DIR as RESULTS_DIR,  # re-exported: scripts call harness.save & co.
+)
+from benchmarks.reporting import check as check
+from benchmarks.reporting import code_version as code_version
+from benchmarks.reporting import figure as figure
+from benchmarks.reporting import machine as machine
+from benchmarks.reporting import mean_std as mean_std
+from benchmarks.reporting import parser as parser
+from benchmarks.reporting import render_table as render_table
+from benchmarks.reporting import save as save
+from benchmarks.reporting import save_figure as save_figure
+from benchmarks.timing import Timed as Timed  # re-exported, as reporting's names
+from benchmarks.timing import hlo_stats as hlo_stats
+from benchmarks.timing import interleaved as interleaved
 
 WEIGHT_DECAY = 1e-4
 # SGD with momentum as the SAM and Momentum-SAM papers run it (their CIFAR weight decay).

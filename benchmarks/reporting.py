@@ -101,6 +101,22 @@ def parser(description: str, contenders: Sequence[str] = ()) -> argparse.Argumen
   return out
 
 
+# The scripts that call :func:`save`, by the name they save under (``generalization_tune`` and
+# ``generalization_cost`` are modes of ``generalization``).
+SCRIPTS = {
+  "step_cost": "benchmarks.costs.step_cost",
+  "microbatches": "benchmarks.costs.microbatches",
+  "gradient_cache": "benchmarks.costs.gradient_cache",
+  "generalization": "benchmarks.science.generalization",
+  "pareto": "benchmarks.science.pareto",
+}
+
+
+def script_of(name: str) -> str:
+  """The module a result named ``name`` comes from: ``python -m`` runs it."""
+  return next(module for stem, module in SCRIPTS.items() if name.startswith(stem))
+
+
 def save(
   name: str,
   mode: str,
@@ -118,7 +134,7 @@ def save(
   result = {
     "benchmark": name,
     "mode": mode,
-    "command": " ".join(["python", f"benchmarks/{name}.py", *argv]),
+    "command": " ".join(["python -m", script_of(name), *argv]),
     "machine": machine(),
     "code": code_version(),
     **result,

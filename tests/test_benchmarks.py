@@ -4,29 +4,28 @@ They check structure and finiteness only, never timings: a benchmark is not a
 timed unit test.
 """
 
+import importlib.util
 import json
 import math
 from pathlib import Path
 
-import accelerator
 import flax.linen as nn
-import generalization
 import jax
-import memory_table
-import microbatches
 import numpy as np
 import optax
-import pareto
 import pytest
-import step_cost
-import tpu_live
 
 import optax_gsam
 
-import harness
-import models
-
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"  # on sys.path (pyproject.toml)
+from benchmarks import accelerator  # the repository root is on sys.path (pyproject.toml)
+from benchmarks import harness
+from benchmarks import models
+from benchmarks.compiled import memory_table
+from benchmarks.compiled import tpu_live
+from benchmarks.costs import microbatches
+from benchmarks.costs import step_cost
+from benchmarks.science import generalization
+from benchmarks.science import pareto
 
 # Not in the README's suite: `python -m pytest -m benchmarks` (.ci/run runs them as a step).
 pytestmark = pytest.mark.benchmarks
@@ -90,7 +89,8 @@ def test_accelerator_script_refuses_the_cpu_and_plans_every_benchmark(tmp_path):
   plan = accelerator.plan(tmp_path, quick=True)
   assert set(plan) == {"step_cost", "generalization", "gradient_cache"}
   for name, args in plan.items():
-    source = "".join((BENCHMARKS / f"{module}.py").read_text() for module in (name, "reporting"))
+    modules = (accelerator.BENCHMARKS[name], "benchmarks.reporting")
+    source = "".join(Path(importlib.util.find_spec(m).origin).read_text() for m in modules)
     for flag in (a for a in args if a.startswith("--")):
       assert f'"{flag}"' in source, (name, flag)  # each script accepts what it is given
 
@@ -286,7 +286,7 @@ def test_microbatches_memory_smoke(tmp_path):
 
 def test_memory_table_reads_every_recorded_model_and_judges_each_row(tmp_path, monkeypatch):
   """The one memory table: the P over the reference is recomputed here from the raw JSON."""
-  results = Path(memory_table.__file__).parent / "results"
+  results = Path(memory_table.__file__).parents[1] / "results"
   for name in memory_table.FILES:
     (tmp_path / name).write_text((results / name).read_text())
   monkeypatch.setattr(memory_table, "RESULTS", tmp_path)
@@ -338,7 +338,7 @@ def test_a_missed_cell_splits_into_live_buffers_and_packing():
 
 def test_gpu_runtime_smoke(tmp_path):
   """The prepared GPU check runs end to end on the CPU (no peak statistics there)."""
-  import gpu_runtime
+  from benchmarks.compiled import gpu_runtime
 
   out = tmp_path / "gpu_runtime.json"
   argv = ["--quick", "--dtypes", "f32", "--steps", "1", "--rounds", "1", "--out", str(out)]

@@ -43,7 +43,7 @@ ACTIVATION_BYTES = 4 * BATCH * SEQ * WIDTH * DEPTH  # what the scan saves: 4 par
 
 
 def _gpu_devices(count):
-  import gpu_target  # benchmarks/, on the tests' path
+  from benchmarks.compiled import gpu_target  # the repository root is on the tests' path
 
   return gpu_target.gpu_devices(gpu_target.H100_SXM, count)
 
@@ -126,10 +126,10 @@ def _compile(name, sharding, dump):
 
 def _live_peak(folder):
   """The bytes live at the program's peak, from XLA's live-range dump (no heap packing)."""
-  import tpu_buffers  # benchmarks/: the dump's reader, shared with the TPU scripts
+  from benchmarks.compiled import buffers  # the dump's reader, shared with the TPU
 
   (path,) = folder.glob("*after_optimizations-live-range.txt")
-  return tpu_buffers.peak_bytes(path.read_text())
+  return buffers.peak_bytes(path.read_text())
 
 
 @pytest.fixture(scope="module")
@@ -173,7 +173,7 @@ def _fsdp(mesh):
 
 
 def _all_reduce_bytes(hlo):
-  import compiled_hlo  # benchmarks/
+  from benchmarks.compiled import hlo as compiled_hlo
 
   return compiled_hlo.collectives(hlo).get("all-reduce", {"bytes": 0})["bytes"]
 
@@ -193,7 +193,7 @@ def test_fsdp_on_eight_gpus_keeps_the_gradients_sharded_and_the_need(tmp_path):
 
 
 def _gpu_met_cells():
-  import memory_table  # benchmarks/
+  from benchmarks.compiled import memory_table
 
   recorded = json.loads((memory_table.RESULTS / "memory_table.json").read_text())["rows"]
   return [
@@ -208,17 +208,17 @@ def _gpu_met_cells():
 @functools.cache
 def _recompiled(model, name, dtype):
   """One step's row compiled now at the model, batch and topology its result file records."""
-  import memory_table
-  import tpu_sharded
+  from benchmarks.compiled import memory_table
+  from benchmarks.compiled import sharded_steps
 
   result = json.loads((memory_table.RESULTS / memory_table.GPU_MODELS[model][0]).read_text())
   fields = {k: v for k, v in result["model"].items() if k != "name"}
-  import tpu_decoder
+  from benchmarks.compiled import decoder
 
-  config = {"vit": tpu_sharded.ViTConfig, "decoder": tpu_decoder.DecoderConfig,
-            "mlp": tpu_sharded.MLPConfig}[result["model"]["name"]](**fields)  # fmt: skip
-  mesh = tpu_sharded.mesh_of(result["topology"])
-  row, _ = tpu_sharded.compile_row(mesh, config, dtype, name, result["per_core_batch"])
+  config = {"vit": sharded_steps.ViTConfig, "decoder": decoder.DecoderConfig,
+            "mlp": sharded_steps.MLPConfig}[result["model"]["name"]](**fields)  # fmt: skip
+  mesh = sharded_steps.mesh_of(result["topology"])
+  row, _ = sharded_steps.compile_row(mesh, config, dtype, name, result["per_core_batch"])
   recorded = {(r["contender"], r["dtype"]): r for r in result["rows"]}[name, dtype]
   assert row["argument_bytes"] == recorded["argument_bytes"], name  # the program recorded
   return row
@@ -229,7 +229,7 @@ def _recompiled(model, name, dtype):
 def test_every_met_gpu_cell_is_still_met(cell):
   """Each GPU cell the recorded memory table marks met, compiled again at full size: a change
   that brings the second copy of the activations (or any held buffer) back fails here."""
-  import memory_table
+  from benchmarks.compiled import memory_table
 
   model, label, over, dtype = cell
   name, reference, needs = next(

@@ -1,6 +1,6 @@
 """The pod launch script (1 x 8 and 2 x 4 CPU devices) and the distributed benchmark."""
 
-import importlib.util
+import importlib
 import json
 import os
 import pathlib
@@ -13,14 +13,11 @@ import pytest
 
 from optax_gsam import launch
 
-BENCHMARKS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
+ROOT = pathlib.Path(__file__).resolve().parents[1]  # python -m benchmarks.costs.<script> runs here
 
 
 def load(name):
-  spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+  return importlib.import_module(f"benchmarks.costs.{name}")
 
 
 def test_params_and_optimizer_state_can_be_donated():
@@ -60,13 +57,21 @@ def test_pod_launch_as_two_processes_prints_the_losses_of_one(tmp_path):
   assert json.loads((tmp_path / "one.json").read_text())["model"] == "vit_tiny"
 
   launcher = ["-m", "optax_gsam.launch", "--local-processes", "2", "--devices-per-process", "4"]
-  pod = ["benchmarks/pod_launch.py", "--multihost", *tiny, "--out", str(tmp_path / "two.json")]
+  pod = [
+    sys.executable,
+    "-m",
+    "benchmarks.costs.pod_launch",
+    "--multihost",
+    *tiny,
+    "--out",
+    str(tmp_path / "two.json"),
+  ]
   result = subprocess.run(
     [sys.executable, *launcher, "--timeout", "300", "--", *pod],
     capture_output=True,
     text=True,
     timeout=360,
-    cwd=BENCHMARKS.parent,
+    cwd=ROOT,
   )
   assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
   two = json.loads((tmp_path / "two.json").read_text())
@@ -82,16 +87,22 @@ def test_pod_launch_as_two_processes_prints_the_losses_of_one(tmp_path):
   # variables (docs/distributed.md, "Without the launcher").
   env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_FLAGS"))}
   coordinator = f"127.0.0.1:{launch.free_port()}"
-  host = [sys.executable, "benchmarks/pod_launch.py", "--multihost", "--cpu-devices", "4", *tiny]
+  host = [
+    sys.executable,
+    "-m",
+    "benchmarks.costs.pod_launch",
+    "--multihost",
+    "--cpu-devices",
+    "4",
+    *tiny,
+  ]
   host += ["--coordinator", coordinator, "--num-processes", "2"]
   hosts = [
     [*host, "--process-id", str(i), "--out", str(tmp_path / f"by_hand_{i}.json")] for i in range(2)
   ]
   logs = [tmp_path / f"by_hand_{i}.log" for i in range(2)]  # files: no pipe can fill up
   processes = [
-    subprocess.Popen(
-      host, env=env, cwd=BENCHMARKS.parent, stdout=log.open("w"), stderr=subprocess.STDOUT
-    )
+    subprocess.Popen(host, env=env, cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT)
     for host, log in zip(hosts, logs, strict=True)
   ]
   try:

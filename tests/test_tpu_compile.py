@@ -8,7 +8,6 @@ CPU backend, so the claims are checked in bytes, not in op counts.
 
 import importlib.util
 import re
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,18 +20,10 @@ needs_libtpu = pytest.mark.skipif(
   reason="libtpu is not installed; pip install -e '.[tpu-compile]' to compile for a TPU topology",
 )
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
-
 
 @pytest.fixture(scope="module")
 def tpu_compile():
-  spec = importlib.util.spec_from_file_location(
-    "_benchmarks_tpu_compile", BENCHMARKS / "tpu_compile.py"
-  )
-  module = importlib.util.module_from_spec(spec)
-  sys.modules[spec.name] = module  # dataclasses look their module up
-  spec.loader.exec_module(module)
-  return module
+  return importlib.import_module("benchmarks.compiled.tpu_compile")
 
 
 @pytest.fixture(scope="module")

@@ -1,10 +1,10 @@
 """Every memory limit the recorded table meets on the TPU compiler, compiled again and checked.
 
 ``benchmarks/results/memory_table.json`` holds each model's steps against what their maths needs
-(``benchmarks/memory_table.py``). Each TPU cell it marks met is compiled here again, the step and
+(``benchmarks/compiled/memory_table.py``). Each TPU cell it marks met is compiled here again, the step and
 its reference at the recorded model, batch and topology, and must still be met: a change that
 brings held buffers back fails here. Each missed cell must carry what is live at its peak
-(``benchmarks/tpu_live.py``'s dumps, in the table), checked without compiling. The decoder's
+(``benchmarks/compiled/tpu_live.py``'s dumps, in the table), checked without compiling. The decoder's
 all-reduce counts against optax.contrib.sam's are guarded too.
 
 Needs libtpu (the ``tpu-compile`` extra; without it these tests fail, they do not skip) and takes
@@ -16,12 +16,13 @@ about 25 minutes on two cores, so it runs apart from the README's suite, one wor
 import functools
 import json
 
-import memory_table  # benchmarks/ (pyproject.toml's pythonpath)
 import pytest
-import tpu_compile
-import tpu_live
-import tpu_sharded
-from compiled_hlo import data_peak
+
+from benchmarks.compiled import memory_table  # the repository root: pyproject.toml's pythonpath
+from benchmarks.compiled import sharded_steps
+from benchmarks.compiled import tpu_compile
+from benchmarks.compiled import tpu_live
+from benchmarks.compiled.hlo import data_peak
 
 pytestmark = pytest.mark.usefixtures("no_compilation_cache")  # conftest.py: none for a TPU
 
@@ -93,7 +94,7 @@ def test_every_met_cell_is_guarded_with_steps_the_scripts_build():
   for model, label, over, dtype in cells:
     name, reference, _ = tpu_live.step_of(model, label, over)
     if model in (DECODER, MLP):
-      known = set(tpu_sharded.CONTENDERS)
+      known = set(sharded_steps.CONTENDERS)
     elif model == VIT_MICROBATCHES:
       known = {f"{m} mb=4" for m in microbatch_methods}
     else:

@@ -1,4 +1,4 @@
-"""benchmarks/tpu_sharded.py on the TPU compiler with no TPU attached (needs libtpu).
+"""benchmarks/compiled/sharded.py on the TPU compiler with no TPU attached (needs libtpu).
 
 The tiny decoder on a v4-8 (``--quick``: AdamW, gsam, optax.contrib.sam, f32): the JSON's
 structure and the collectives gsam adds. FSDP over a v4-64, guarding the clean-pass barrier: on a
@@ -8,8 +8,6 @@ residual MLP no whole copy of the parameters.
 
 import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -21,24 +19,16 @@ needs_libtpu = pytest.mark.skipif(
   reason="libtpu is not installed; pip install -e '.[tpu-compile]' to compile for a TPU topology",
 )
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
-
 
 def _load(name):
-  spec = importlib.util.spec_from_file_location(f"_benchmarks_{name}", BENCHMARKS / f"{name}.py")
-  module = importlib.util.module_from_spec(spec)
-  sys.modules[spec.name] = module  # dataclasses look their module up
-  spec.loader.exec_module(module)
-  return module
+  return importlib.import_module(f"benchmarks.compiled.{name}")
 
 
 @pytest.fixture(scope="module")
 def quick_result(tmp_path_factory):
   out = tmp_path_factory.mktemp("tpu_sharded") / "tpu_sharded_quick.json"
   names = ["adamw", "gsam", "optax.contrib.sam"]
-  _load("tpu_sharded").main(
-    ["--quick", "--dtypes", "f32", "--contenders", *names, "--out", str(out)]
-  )
+  _load("sharded").main(["--quick", "--dtypes", "f32", "--contenders", *names, "--out", str(out)])
   return json.loads(out.read_text())
 
 
@@ -70,7 +60,7 @@ def test_quick_gsam_adds_no_collective_bytes_to_two_passes_and_doubles_flops(qui
 
 
 def test_peak_breakdown_is_read_from_the_live_range_dump():
-  tpu_buffers = _load("tpu_buffers")
+  tpu_buffers = _load("buffers")
   text = """HloLiveRange (max 9):
   Stack trace breakdown for peak usage: 3 430 264 bytes
     main.226_spmd (100.0%, total: 3 430 264 bytes, current: 0 bytes, remaining: 3 430 264 bytes)
@@ -101,13 +91,13 @@ FULL_STEPS = ("gsam", "sam", "sam diagnostics=False")
 
 @pytest.fixture(scope="module")
 def logits_decoder_peaks():
-  tpu_sharded = _load("tpu_sharded")
-  config = _load("tpu_decoder").DecoderConfig(**LOGITS_DECODER)
+  tpu_sharded = _load("sharded_steps")  # the steps the harness compiles
+  config = _load("decoder").DecoderConfig(**LOGITS_DECODER)
   mesh = tpu_sharded.tpu_mesh("v4-64")
   peaks = {}
   for name in ["adamw", *FULL_STEPS]:
     row, _ = tpu_sharded.compile_row(mesh, config, "f32", name, per_core=4)
-    peaks[name] = tpu_sharded.data_peak(row)
+    peaks[name] = _load("hlo").data_peak(row)
   return peaks
 
 
@@ -129,12 +119,12 @@ SMALL_MLP = {"width": 1024, "depth": 4}
 
 @needs_libtpu
 def test_fsdp_mlp_full_step_holds_no_whole_copy_of_the_params():
-  tpu_sharded = _load("tpu_sharded")
-  config = tpu_sharded.MLPConfig(**SMALL_MLP)  # the class tpu_sharded dispatches on
+  tpu_sharded = _load("sharded_steps")  # the steps the harness compiles
+  config = tpu_sharded.MLPConfig(**SMALL_MLP)  # the class sharded_steps.problem dispatches on
   mesh = tpu_sharded.tpu_mesh("v4-64")
   peaks, whole = {}, None
   for name in ("adamw", "gsam", "sam"):
     row, _ = tpu_sharded.compile_row(mesh, config, "f32", name, per_core=64)
-    peaks[name], whole = tpu_sharded.data_peak(row), row["param_bytes"]
+    peaks[name], whole = _load("hlo").data_peak(row), row["param_bytes"]
   for name in ("gsam", "sam"):
     assert peaks[name] - peaks["adamw"] < whole, (name, (peaks[name] - peaks["adamw"]) / 2**20)

@@ -31,9 +31,9 @@ and ``perturb=False``) and as the ``lax.cond`` program;
 (per-device perturbation, one pmean of the final gradient), the reference the
 package is held to.
 
-    python benchmarks/tpu_compile.py                 # v3-64, ViT-B/32, f32 and bf16
-    python benchmarks/tpu_compile.py --quick         # small ViT for a v3-8, under a minute
-    python benchmarks/tpu_compile.py --contenders adamw gsam --dtypes bf16
+    python -m benchmarks.compiled.sharded --replicated                 # v3-64, ViT-B/32, f32 and bf16
+    python -m benchmarks.compiled.sharded --replicated --quick         # small ViT for a v3-8, under a minute
+    python -m benchmarks.compiled.sharded --replicated --contenders adamw gsam --dtypes bf16
 
 Writes ``benchmarks/results/tpu_compile.json`` (``tpu_compile_quick.json``
 with ``--quick``).
@@ -52,40 +52,46 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import aot_env  # noqa: F401 (the compile-only environment, set before jax is imported)
+from benchmarks.compiled import aot_env  # noqa: F401 (set before jax is imported)
+
+# isort: split
 import jax
 import jax.numpy as jnp
 import optax
-from baselines import contrib_sam
-from baselines import plain_gsam_gradient
-from compiled_hlo import HBM_BYTES  # the benchmarks folder is on sys.path when a script runs
-from compiled_hlo import analyse
-from compiled_hlo import collectives as collectives  # re-exported for the tests
-from compiled_hlo import out_of_memory
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from jax.sharding import SingleDeviceSharding
-from reporting import check
-from reporting import code_version
-from reporting import libtpu_version
-from reporting import write_json
-from tpu_report import format_table
-from tpu_report import targets
-from tpu_search import MAX_PROBE_BATCH as MAX_PROBE_BATCH  # re-exported for the tests
-from tpu_search import fits
-from tpu_search import format_max_batch_table as format_max_batch_table
-from tpu_search import format_microbatch_table
-from tpu_search import largest_batch
-from tpu_search import microbatch_targets
-from tpu_vit import VIT_B32
-from tpu_vit import VIT_QUICK
-from tpu_vit import ViT
-from tpu_vit import ViTConfig
 
 import optax_gsam
 
+from benchmarks.baselines import contrib_sam
+from benchmarks.baselines import plain_gsam_gradient
+from benchmarks.compiled.hlo import HBM_BYTES
+from benchmarks.compiled.hlo import analyse
+from benchmarks.compiled.hlo import collectives as collectives  # re-exported for the tests
+from benchmarks.compiled.hlo import out_of_memory
+from benchmarks.compiled.search import (
+  MAX_PROBE_BATCH as MAX_PROBE_BATCH,  # re-exported for the tests
+)
+from benchmarks.compiled.search import fits
+from benchmarks.compiled.search import format_max_batch_table as format_max_batch_table
+from benchmarks.compiled.search import format_microbatch_table
+from benchmarks.compiled.search import largest_batch
+from benchmarks.compiled.search import microbatch_targets
+from benchmarks.compiled.tpu_report import format_table
+from benchmarks.compiled.tpu_report import targets
+from benchmarks.compiled.vit import VIT_B32
+from benchmarks.compiled.vit import VIT_QUICK
+from benchmarks.compiled.vit import ViT
+from benchmarks.compiled.vit import ViTConfig
+from benchmarks.reporting import check
+from benchmarks.reporting import code_version
+from benchmarks.reporting import libtpu_version
+from benchmarks.reporting import write_json
+
 AXIS = "data"
-RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+COMMAND = "python -m benchmarks.compiled.sharded --replicated"  # the harness runs this program
+RESULTS = pathlib.Path(__file__).resolve().parents[1] / "results"
 GiB = 2**30
 DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16}
 # name -> (topology_name, chips_per_host_bounds, TPU_ACCELERATOR_TYPE)
@@ -336,8 +342,8 @@ def max_batch_table(
 
 
 def gradient_cache_table(batches, chunk, tile) -> dict[str, dict[str, Any]]:
-  """benchmarks/gradient_cache.py's two-tower CLIP step compiled for one TPU v3 core."""
-  import gradient_cache  # the model and the three forms, as on the CPU
+  """benchmarks/costs/gradient_cache.py's two-tower CLIP step compiled for one TPU v3 core."""
+  from benchmarks.costs import gradient_cache  # the model and the three forms, as on the CPU
 
   core = tpu_mesh("v3-8").devices.flat[0]
   config = dict(  # gradient_cache.py's configuration
@@ -491,7 +497,7 @@ def microbatch_probes(args, mesh, result) -> None:
 def main(argv: list[str] | None = None) -> dict:
   args = parse_args(argv)
   result = {
-    "command": " ".join(["python benchmarks/tpu_compile.py", *(argv or sys.argv[1:])]),
+    "command": " ".join([COMMAND, *(sys.argv[1:] if argv is None else argv)]),
     "code": code_version(),
     "jax": jax.__version__,
     "libtpu": libtpu_version(),

@@ -15,7 +15,7 @@ How the program grows with the number of leaves: gsam and ``optax.contrib.sam``
 on tanh MLPs of 10, 40 and 100 layers (16 x 16 kernels, one compile each):
 ``--depths``; ``--depths`` with no value skips it.
 
-Run: ``python benchmarks/compile_time.py`` (about two minutes on 2 cores);
+Run: ``python -m benchmarks.costs.compile_time`` (about two minutes on 2 cores);
 writes ``benchmarks/results/compile_time.json``.
 """
 
@@ -33,11 +33,12 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
-from baselines import contrib_sam
 
 import optax_gsam
 
-RESULTS = pathlib.Path(__file__).parent / "results"
+from benchmarks.baselines import contrib_sam
+
+RESULTS = pathlib.Path(__file__).resolve().parents[1] / "results"
 RHO, ALPHA, LR = 0.05, 0.3, 1e-3
 
 

@@ -12,8 +12,8 @@ For each batch size the script compiles every variant and reads XLA's
 run, so batch 16384 costs only a compile), then times the variants where the
 full batch is small enough to run, interleaved over rounds (median).
 
-    python benchmarks/gradient_cache.py            # full: batches up to 16384, timing at 256 and 1024
-    python benchmarks/gradient_cache.py --quick    # about a minute on 2 cores
+    python -m benchmarks.costs.gradient_cache            # full: batches up to 16384, timing at 256 and 1024
+    python -m benchmarks.costs.gradient_cache --quick    # about a minute on 2 cores
 
 Writes ``results/gradient_cache[_quick].json`` and a PNG; targets and results in
 benchmarks/README.md.
@@ -29,7 +29,7 @@ import numpy as np
 
 import optax_gsam
 
-import harness
+from benchmarks import harness
 
 
 def init_tower(key, features, width, depth, mlp, out):

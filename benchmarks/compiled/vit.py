@@ -4,7 +4,7 @@ Patch embedding, learned positions, pre-LayerNorm encoder blocks and a global-av
 head, with the activations' dtype as a field (params stay float32). ``ScannedViT`` lays the
 same blocks out as big_vision does for large models (``scan_layers``, ``remat_policy``): one
 ``nn.scan`` over stacked block parameters, each block rematerialized, so the backward pass keeps
-only each block's input; ``tpu_sharded.py --model vit`` compiles it (ViT-L/16) for FSDP.
+only each block's input; ``sharded.py --model vit`` compiles it (ViT-L/16) for FSDP.
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from typing import Any
 
 import flax.linen as nn
 import jax.numpy as jnp
-from tpu_decoder import scanned_blocks
+
+from benchmarks.compiled.decoder import scanned_blocks
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,9 +12,9 @@ Times are medians of paired interleaved rounds, as ratios to ``whole`` in the sa
 compiled ``temp_size_in_bytes`` is deterministic. (XLA's CPU cost analysis counts a loop body
 once, whatever its trip count, so FLOPs of the scanned steps are not comparable and not shown.)
 
-    python benchmarks/microbatches.py            # global batch 2048, K in 1 2 4 8 16, 15 rounds
-    python benchmarks/microbatches.py --quick    # global batch 512, K in 2 4, 3 rounds
-    python benchmarks/microbatches.py --memory   # compiled temp memory only (no timing), K in
+    python -m benchmarks.costs.microbatches            # global batch 2048, K in 1 2 4 8 16, 15 rounds
+    python -m benchmarks.costs.microbatches --quick    # global batch 512, K in 2 4, 3 rounds
+    python -m benchmarks.costs.microbatches --memory   # compiled temp memory only (no timing), K in
                                                  # 2 4 8, then K=4 at micro-batches 16 64 256
 
 ``--memory`` compares compiled ``temp_size_in_bytes`` at the same micro-batch size: the
@@ -37,7 +37,7 @@ import optax
 
 import optax_gsam
 
-import harness
+from benchmarks import harness
 
 RHO, ALPHA, LR = 0.05, 0.3, 1e-3
 WIDTH, FEATURES, CLASSES = 512, 64, 10

@@ -1,4 +1,4 @@
-"""A residual MLP for ``tpu_sharded.py --model mlp``: FSDP's second shape, no scan and no remat.
+"""A residual MLP for ``sharded.py --model mlp``: FSDP's second shape, no scan and no remat.
 
 ``depth`` blocks ``x <- x + relu(x W_in) W_out`` of square ``width x width`` matrices, each block
 its own parameters (the loop is unrolled: nothing is scanned or rematerialized, so the compiler

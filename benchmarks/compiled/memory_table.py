@@ -18,7 +18,7 @@ while the perturbed pass runs (1 P, for GSAM's decomposition and SAM's diagnosti
 direction (1 P) for the every-k policy. ``sam(diagnostics=False)`` and momentum SAM need only the
 perturbed weights over their own base step (momentum SAM's momentum is its base's).
 
-    python benchmarks/memory_table.py   # prints the table, writes results/memory_table.{json,md}
+    python -m benchmarks.compiled.memory_table   # prints the table, writes results/memory_table.{json,md}
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ from __future__ import annotations
 import json
 import pathlib
 
-from compiled_hlo import data_peak  # the benchmarks folder is on sys.path when a script runs
+from benchmarks.compiled.hlo import data_peak
 
-RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+RESULTS = pathlib.Path(__file__).resolve().parents[1] / "results"
 LIVE = "tpu_live.json"  # what is live at each missed TPU cell's peak (tpu_live.py)
 FILES = ("tpu_sharded.json", "tpu_sharded_mlp.json", "tpu_compile.json",
          "tpu_compile_microbatches.json", "microbatches_memory.json", LIVE, "gpu_sharded.json",
@@ -81,7 +81,7 @@ TPU_MODELS = {
   TPU_MODEL_LABELS["vit"]: ("tpu_compile.json", VIT_STEPS),
   TPU_MODEL_LABELS["vit256"]: ("tpu_compile_microbatches.json", VIT_MICROBATCH_STEPS),
 }
-# The same FSDP steps compiled by the GPU compiler for one host of 8 H100s (tpu_sharded.py
+# The same FSDP steps compiled by the GPU compiler for one host of 8 H100s (sharded.py
 # --topology 8xh100), with no GPU attached. tests/test_gpu_compile.py guards their fix.
 GPU_MODELS = {
   "FSDP ViT-L/16 scanned, 8 x H100, 128 images": ("gpu_sharded_vit.json", TPU_STEPS),
@@ -252,10 +252,11 @@ def main() -> list[dict]:
     r["verdict"] = _verdict(r)
   out = RESULTS / "memory_table.json"
   out.write_text(
-    json.dumps({"command": "python benchmarks/memory_table.py", "rows": rows}, indent=2) + "\n"
+    json.dumps({"command": "python -m benchmarks.compiled.memory_table", "rows": rows}, indent=2)
+    + "\n"
   )
   (RESULTS / "memory_table.md").write_text(
-    "# Memory against the maths\n\n`python benchmarks/memory_table.py` (from the recorded "
+    "# Memory against the maths\n\n`python -m benchmarks.compiled.memory_table` (from the recorded "
     "results; what each column means: benchmarks/README.md).\n\n" + markdown(rows) + "\n"
   )
   print(f"wrote {out} and memory_table.md")

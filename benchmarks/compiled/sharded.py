@@ -2,9 +2,9 @@
 
 With libtpu installed (``pip install -e ".[tpu-compile]"``), JAX compiles ahead of time for a
 described TPU topology (``jax.experimental.topologies.get_topology_desc``) with no TPU
-attached. Two models: ``tpu_decoder.py``'s decoder-only transformer (width 2048, 18 scanned and
+attached. Two models: ``decoder.py``'s decoder-only transformer (width 2048, 18 scanned and
 rematerialized blocks, MLP 8192, vocabulary 32768, 512 tokens: 1.04B parameters; 4 sequences
-per core) and, with ``--model mlp``, ``tpu_mlp.py``'s residual MLP (16 unrolled blocks of two
+per core) and, with ``--model mlp``, ``mlp.py``'s residual MLP (16 unrolled blocks of two
 4096 x 4096 matrices, no remat: 537M parameters; 64 rows per core). Every parameter, and every
 optimizer-state leaf of a parameter's shape, is sharded over the 64-core ``data`` axis of a
 v4-64 (``v4:4x4x2``, one device per TensorCore) along its largest dimension that 64 divides
@@ -26,16 +26,24 @@ accumulated over the same 4 micro-batches in a ``lax.scan``), ``gsam every-5``
 step, ``perturb=True``), and the steps written from the formulas in this file, ``plain gsam``
 and ``plain sam``. Not run by default: ``gsam perturb=True``.
 
-    python benchmarks/tpu_sharded.py                 # v4-64, 1B decoder, f32 and bf16
-    python benchmarks/tpu_sharded.py --model mlp     # v4-64, 537M residual MLP
-    python benchmarks/tpu_sharded.py --quick         # tiny decoder on a v4-8, about a minute
-    python benchmarks/tpu_sharded.py --contenders adamw gsam --dtypes bf16 --append
-    python benchmarks/tpu_sharded.py --report        # the table and targets again, no compiling
-    python benchmarks/tpu_sharded.py --dtypes f32 --contenders gsam --dump /tmp/dump  # then
-    python benchmarks/tpu_buffers.py /tmp/dump/f32-gsam  # what is live at the peak
+    python -m benchmarks.compiled.sharded                 # v4-64, 1B decoder, f32 and bf16
+    python -m benchmarks.compiled.sharded --model mlp     # v4-64, 537M residual MLP
+    python -m benchmarks.compiled.sharded --quick         # tiny decoder on a v4-8, about a minute
+    python -m benchmarks.compiled.sharded --contenders adamw gsam --dtypes bf16 --append
+    python -m benchmarks.compiled.sharded --report        # the table and targets again, no compiling
+    python -m benchmarks.compiled.sharded --dtypes f32 --contenders gsam --dump /tmp/dump  # then
+    python -m benchmarks.compiled.buffers /tmp/dump/f32-gsam  # what is live at the peak
 
 Writes ``benchmarks/results/tpu_sharded.json`` (``tpu_sharded_mlp.json`` with ``--model mlp``,
 ``tpu_sharded_quick.json`` with ``--quick``).
+
+``--replicated`` (anywhere on the line) compiles the GSAM paper's replicated ViT-B/32 for a TPU v3
+instead, per-device data-parallel steps (``tpu_compile.py``: its options follow, its results are
+``tpu_compile*.json``)::
+
+    python -m benchmarks.compiled.sharded --replicated                 # v3-64, ViT-B/32
+    python -m benchmarks.compiled.sharded --replicated --quick         # small ViT for a v3-8
+    python -m benchmarks.compiled.sharded --replicated --max-batch --batch-step 32
 """
 
 from __future__ import annotations
@@ -43,285 +51,49 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import pathlib
 import shutil
 import sys
-import time
 
-import aot_env  # noqa: F401 (the compile-only environment, set before jax is imported)
-import gpu_target
+from benchmarks.compiled import aot_env  # noqa: F401 (set before jax is imported)
+
+# isort: split
 import jax
-import jax.numpy as jnp
-import numpy as np
-import optax
-import tpu_mlp
-from baselines import contrib_sam
-from compiled_hlo import analyse  # the benchmarks folder is on sys.path when a script runs
-from compiled_hlo import data_peak
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
-from reporting import code_version
-from reporting import cuda_plugin_version
-from reporting import libtpu_version
-from reporting import render_table
-from reporting import write_json
-from tpu_buffers import peak_bytes
-from tpu_buffers import request_dumps
-from tpu_buffers import slug
-from tpu_decoder import DECODER_1B
-from tpu_decoder import DECODER_QUICK
-from tpu_decoder import Decoder
-from tpu_decoder import next_token_loss
-from tpu_decoder import param_count
-from tpu_mlp import MLP_537M
-from tpu_mlp import MLP_QUICK
-from tpu_mlp import MLPConfig
-from tpu_search import format_max_batch_table
-from tpu_search import largest_batch
-from tpu_vit import VIT_L16
-from tpu_vit import VIT_SCANNED_QUICK
-from tpu_vit import ScannedViT
-from tpu_vit import ViTConfig
 
-import optax_gsam
+from benchmarks.compiled import gpu_target
+from benchmarks.compiled.buffers import peak_bytes
+from benchmarks.compiled.buffers import request_dumps
+from benchmarks.compiled.buffers import slug
+from benchmarks.compiled.decoder import DECODER_1B
+from benchmarks.compiled.decoder import DECODER_QUICK
+from benchmarks.compiled.hlo import data_peak
+from benchmarks.compiled.mlp import MLP_537M
+from benchmarks.compiled.mlp import MLP_QUICK
+from benchmarks.compiled.search import format_max_batch_table
+from benchmarks.compiled.search import largest_batch
+from benchmarks.compiled.sharded_steps import ALPHA
+from benchmarks.compiled.sharded_steps import CONTENDERS
+from benchmarks.compiled.sharded_steps import DTYPES
+from benchmarks.compiled.sharded_steps import FULL_ORDER
+from benchmarks.compiled.sharded_steps import GPU_TOPOLOGIES
+from benchmarks.compiled.sharded_steps import LR
+from benchmarks.compiled.sharded_steps import MAIN_CONTENDERS
+from benchmarks.compiled.sharded_steps import RHO
+from benchmarks.compiled.sharded_steps import TOPOLOGIES
+from benchmarks.compiled.sharded_steps import WEIGHT_DECAY
+from benchmarks.compiled.sharded_steps import compile_row
+from benchmarks.compiled.sharded_steps import mesh_of
+from benchmarks.compiled.sharded_steps import platform_of
+from benchmarks.compiled.vit import VIT_L16
+from benchmarks.compiled.vit import VIT_SCANNED_QUICK
+from benchmarks.reporting import code_version
+from benchmarks.reporting import cuda_plugin_version
+from benchmarks.reporting import libtpu_version
+from benchmarks.reporting import render_table
+from benchmarks.reporting import write_json
 
-AXIS = "data"
-RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+RESULTS = pathlib.Path(__file__).resolve().parents[1] / "results"
 GiB = 2**30
-DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16}
-# name -> (topology_name, TPU_ACCELERATOR_TYPE); "default" chips: one device per TensorCore.
-TOPOLOGIES = {"v4-8": ("v4:2x2x1", "v4-8"), "v4-64": ("v4:4x4x2", "v4-64")}
-# name -> (GPU target, GPUs): one host, described to jax's CUDA plugin (gpu_target.py).
-GPU_TOPOLOGIES = {"8xh100": ("h100", 8)}
-RHO, ALPHA, LR, WEIGHT_DECAY = 0.05, 0.3, 1e-4, 0.1
-
-
-# ----------------------------------------------------------------------------- contenders
-
-
-def plain_gsam(loss_fn, params, g_c, alpha):
-  """GSAM from the paper's formulas, nothing else: e = rho g_c / |g_c|, g_p at w + e,
-  g = g_p - alpha (g_c - <g_c, g_p> / |g_p|^2 g_p). ``alpha=None``: SAM (g = g_p)."""
-  dot = lambda a, b: sum(
-    jnp.vdot(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
-  )
-  scale = RHO / jnp.sqrt(dot(g_c, g_c))
-  g_p = jax.grad(loss_fn)(jax.tree.map(lambda w, g: w + scale * g, params, g_c))
-  if alpha is None:
-    return g_p
-  projection = dot(g_c, g_p) / dot(g_p, g_p)
-  return jax.tree.map(lambda gp, gc: gp - alpha * (gc - projection * gp), g_p, g_c)
-
-
-def _chain(transform):
-  return lambda base: optax.chain(transform, base)
-
-
-# name -> (optimizer from the base AdamW, protocol, perturb=). Protocols: "base" (the clean
-# gradient into AdamW), "loss_fn" (optax_gsam with the clean gradient), "grad_fn"
-# (optax.contrib.sam), "batch" (micro-batches: update(None, batch=)), "closed" (momentum_sam:
-# no clean pass), "plain" / "plain sam" (the formulas above into AdamW).
-CONTENDERS = {
-  "adamw": (lambda base: base, "base", None),
-  "gsam": (_chain(optax_gsam.gsam(RHO, ALPHA)), "loss_fn", None),
-  "sam": (_chain(optax_gsam.sam(RHO)), "loss_fn", None),
-  "optax.contrib.sam": (lambda base: contrib_sam(base, RHO), "grad_fn", None),
-  "momentum_sam": (_chain(optax_gsam.momentum_sam(RHO)), "closed", None),
-  "gsam mb=4": (_chain(optax_gsam.gsam(RHO, ALPHA, microbatches=4)), "batch", None),
-  "adamw mb=4": (lambda base: base, "base mb=4", None),
-  "gsam every-5": (
-    _chain(optax_gsam.gsam(RHO, ALPHA, policy=optax_gsam.every_k_policy(5))),
-    "loss_fn",
-    None,
-  ),
-  "gsam every-5 static": (
-    _chain(optax_gsam.gsam(RHO, ALPHA, policy=optax_gsam.every_k_policy(5))),
-    "loss_fn",
-    True,
-  ),
-  "sam diagnostics=False": (_chain(optax_gsam.sam(RHO, diagnostics=False)), "loss_fn", None),
-  "gsam perturb=True": (_chain(optax_gsam.gsam(RHO, ALPHA)), "loss_fn", True),
-  "plain gsam": (lambda base: base, "plain", None),
-  "plain sam": (lambda base: base, "plain sam", None),
-}
-MAIN_CONTENDERS = ("adamw", "gsam", "sam", "optax.contrib.sam", "momentum_sam", "gsam mb=4",
-                   "adamw mb=4", "gsam every-5")  # fmt: skip
-FULL_ORDER = ("adamw", "gsam", "optax.contrib.sam", "sam", "sam diagnostics=False", "plain gsam",
-              "momentum_sam", "gsam mb=4", "adamw mb=4", "gsam every-5", "gsam every-5 static",
-              "plain sam")  # fmt: skip
-
-
-def make_step(name: str, loss_of):
-  """(tx, step(params, opt_state, tokens) -> (params, opt_state)); ``loss_of(params, tokens)``."""
-  make, protocol, perturb = CONTENDERS[name]
-  tx = make(optax.adamw(LR, weight_decay=WEIGHT_DECAY))
-
-  def step(params, opt_state, tokens):
-    closed = lambda p: loss_of(p, tokens)
-    if protocol == "base mb=4":  # the clean gradient accumulated in a lax.scan, as AdamW's users do
-      updates, opt_state = tx.update(_scanned_grad(loss_of, params, tokens, 4), opt_state, params)
-    elif protocol == "batch":
-      updates, opt_state = tx.update(None, opt_state, params, loss_fn=loss_of, batch=tokens)
-    elif protocol == "closed":
-      updates, opt_state = tx.update(None, opt_state, params, loss_fn=closed)
-    elif protocol == "grad_fn":
-      grads = jax.grad(closed)(params)
-      grad_fn = lambda p, _: jax.grad(closed)(p)
-      updates, opt_state = tx.update(grads, opt_state, params, grad_fn=grad_fn)
-    else:
-      loss, grads = jax.value_and_grad(closed)(params)
-      kwargs = {}
-      if protocol.startswith("loss_fn"):
-        kwargs = {"loss_fn": closed, "value": loss}
-        kwargs.update({} if perturb is None else {"perturb": perturb})
-      elif protocol.startswith("plain"):
-        grads = plain_gsam(closed, params, grads, None if protocol == "plain sam" else ALPHA)
-      updates, opt_state = tx.update(grads, opt_state, params, **kwargs)
-    return optax.apply_updates(params, updates), opt_state
-
-  return tx, step
-
-
-def _scanned_grad(loss_of, params, batch, num_microbatches: int):
-  """The mean gradient over ``num_microbatches`` equal row blocks of ``batch``, in a ``lax.scan``."""
-  pieces = batch.reshape(num_microbatches, -1, *batch.shape[1:])
-
-  def body(total, piece):
-    return jax.tree.map(jnp.add, total, jax.grad(loss_of)(params, piece)), None
-
-  total, _ = jax.lax.scan(body, jax.tree.map(jnp.zeros_like, params), pieces)
-  return jax.tree.map(lambda g: g / num_microbatches, total)
-
-
-# ----------------------------------------------------------------------------- compiling
-
-
-def mesh_of(name: str, memory_bytes: int | None = None) -> jax.sharding.Mesh:
-  """A 1-D Auto ``data`` mesh over every device of a described TPU or GPU topology.
-
-  ``memory_bytes`` replaces a GPU's memory in its target description (the batch search).
-  """
-  if name in GPU_TOPOLOGIES:
-    target, gpus = GPU_TOPOLOGIES[name]
-    devices = gpu_target.gpu_devices(gpu_target.TARGETS[target], gpus, memory_bytes)
-    return jax.sharding.Mesh(np.array(devices), (AXIS,))
-  return tpu_mesh(name)
-
-
-def platform_of(name: str) -> str:
-  return "gpu" if name in GPU_TOPOLOGIES else "tpu"
-
-
-def tpu_mesh(name: str) -> jax.sharding.Mesh:
-  """A 1-D Auto ``data`` mesh over every TensorCore of a described TPU topology."""
-  from jax.experimental import topologies
-
-  topology_name, accelerator = TOPOLOGIES[name]
-  os.environ.setdefault("TPU_ACCELERATOR_TYPE", accelerator)
-  topology = topologies.get_topology_desc(
-    platform="tpu",
-    topology_name=topology_name,
-    chip_config_name="default",
-    chips_per_host_bounds=(2, 2, 1),
-  )
-  # One device per TensorCore (64 on a v4-64), which jax.make_mesh refuses past v3.
-  return jax.sharding.Mesh(np.array(topology.devices), (AXIS,))
-
-
-def fsdp_spec(shape, n: int) -> P:
-  """FSDP: the largest dimension that ``n`` divides is sharded over ``data`` (else replicated)."""
-  dims = [i for i, d in enumerate(shape) if d % n == 0]
-  if not dims:
-    return P()
-  best = max(dims, key=lambda i: (shape[i], -i))
-  return P(*[AXIS if i == best else None for i in range(len(shape))])
-
-
-def fsdp_specs(tree, mesh):
-  """``ShapeDtypeStruct``s of ``tree`` (shapes) laid out by :func:`fsdp_spec`."""
-  return jax.tree.map(
-    lambda s: jax.ShapeDtypeStruct(
-      s.shape, s.dtype, sharding=NamedSharding(mesh, fsdp_spec(s.shape, mesh.size))
-    ),
-    tree,
-  )
-
-
-def problem(config, dtype, constrain, rows: int):
-  """(param shapes, ``loss_of(params, batch)``, the batch's shape and dtype) of each model."""
-  if isinstance(config, ViTConfig):  # images; the labels are a function of them
-    vit = ScannedViT(config, dtype, constrain)
-    images = jnp.zeros((1, config.image, config.image, 3), jnp.float32)
-    params = jax.eval_shape(lambda: vit.init(jax.random.key(0), images)["params"])
-
-    def vit_loss(p, images):
-      logits = vit.apply({"params": p}, constrain(images))
-      labels = (images[:, 0, 0, 0] > 0).astype(jnp.int32)
-      return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
-
-    return params, vit_loss, ((rows, config.image, config.image, 3), jnp.float32)
-  if isinstance(config, MLPConfig):
-    params = jax.eval_shape(lambda: tpu_mlp.init(config, jax.random.key(0)))
-    loss_of = lambda p, inputs: tpu_mlp.loss(p, constrain(inputs), dtype, constrain)
-    return params, loss_of, ((rows, config.width), jnp.float32)
-  model = Decoder(config, dtype, constrain)
-  tokens = jnp.zeros((1, config.seq), jnp.int32)
-  params = jax.eval_shape(lambda: model.init(jax.random.key(0), tokens)["params"])
-  loss_of = lambda p, tokens: next_token_loss(model, p, constrain(tokens))
-  return params, loss_of, ((rows, config.seq), jnp.int32)
-
-
-def build(mesh, config, dtype, name: str, per_core: int):
-  """(jitted step, its argument specs, param count) of one contender on ``mesh``."""
-  batch_sharding = NamedSharding(mesh, P(AXIS))
-  constrain = lambda x: jax.lax.with_sharding_constraint(x, batch_sharding)
-  params, loss_of, (batch_shape, batch_dtype) = problem(
-    config, dtype, constrain, per_core * mesh.size
-  )
-  params = fsdp_specs(params, mesh)
-  shardings = lambda tree: jax.tree.map(lambda s: s.sharding, tree)
-  tx, step = make_step(name, loss_of)
-  opt_state = fsdp_specs(jax.eval_shape(tx.init, params), mesh)
-  batch = jax.ShapeDtypeStruct(batch_shape, batch_dtype, sharding=batch_sharding)
-  jitted = jax.jit(
-    step,
-    in_shardings=(shardings(params), shardings(opt_state), batch_sharding),
-    out_shardings=(shardings(params), shardings(opt_state)),
-    donate_argnums=(0, 1),
-  )
-  return jitted, (params, opt_state, batch), param_count(params)
-
-
-def compile_row(mesh, config, dtype: str, name: str, per_core: int) -> tuple[dict, object]:
-  """Lowers and compiles one contender; its row of figures and the compiled program."""
-  jitted, args, n_params = build(mesh, config, DTYPES[dtype], name, per_core)
-  start = time.perf_counter()
-  with jax.set_mesh(mesh):
-    lowered = jitted.lower(*args)
-  trace_s = time.perf_counter() - start
-  start, cpu = time.perf_counter(), time.process_time()
-  compiled = lowered.compile()
-  compile_s, compile_cpu_s = time.perf_counter() - start, time.process_time() - cpu
-  row = {"dtype": dtype, "contender": name, "params": n_params, **analyse(compiled)}
-  row.update(
-    param_bytes=4 * n_params,
-    param_bytes_per_core=_per_core_bytes(args[0]),
-    trace_s=trace_s,
-    compile_s=compile_s,
-    compile_cpu_s=compile_cpu_s,  # this process's CPU seconds: steadier on a shared machine
-  )
-  row.pop("conditionals", None)
-  return row, compiled
-
-
-def _per_core_bytes(tree) -> int:
-  """Bytes of one core's shards of ``tree``."""
-  total = 0
-  for s in jax.tree.leaves(tree):
-    shard = s.sharding.shard_shape(s.shape)
-    total += s.dtype.itemsize * int(jnp.prod(jnp.array(shard))) if shard else s.dtype.itemsize
-  return total
 
 
 # ----------------------------------------------------------------------------- report
@@ -428,10 +200,14 @@ def targets(rows: list[dict]) -> list[dict]:
 
 def parse_args(argv):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument(
+    "--replicated", action="store_true",
+    help="the replicated ViT-B/32 on a TPU v3 instead (tpu_compile.py; its options follow)",
+  )  # fmt: skip
   parser.add_argument("--quick", action="store_true", help="tiny model on a v4-8, seconds")
   parser.add_argument(
     "--model", choices=("decoder", "mlp", "vit"), default="decoder",
-    help="the 1.04B scanned decoder, the 537M residual MLP (tpu_mlp.py) or a scanned ViT-L/16",
+    help="the 1.04B scanned decoder, the 537M residual MLP (mlp.py) or a scanned ViT-L/16",
   )  # fmt: skip
   parser.add_argument(
     "--topology", choices=[*TOPOLOGIES, *GPU_TOPOLOGIES], default=None,
@@ -570,6 +346,11 @@ def search_batches(args, mesh, result) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
+  argv = sys.argv[1:] if argv is None else argv
+  if "--replicated" in argv:  # The other program, with its own options and result files.
+    from benchmarks.compiled import tpu_compile
+
+    return tpu_compile.main([a for a in argv if a != "--replicated"])
   args = parse_args(argv)
   if args.report:  # No compiling: the table and targets of --out's rows.
     return report(json.loads(args.out.read_text()), args.out)
@@ -579,7 +360,7 @@ def main(argv: list[str] | None = None) -> dict:
   platform = platform_of(args.topology)
   print(f"{args.topology}: {mesh.size} {platform.upper()} devices, {args.config}", flush=True)
   result = {
-    "command": " ".join(["python benchmarks/tpu_sharded.py", *(argv or sys.argv[1:])]),
+    "command": " ".join(["python -m benchmarks.compiled.sharded", *(argv or sys.argv[1:])]),
     "code": code_version(),
     "jax": jax.__version__,
     "platform": platform,
@@ -597,7 +378,9 @@ def main(argv: list[str] | None = None) -> dict:
   }
   if args.largest_batch:
     if platform != "gpu":
-      raise SystemExit("--largest-batch compiles for a GPU topology (tpu_compile.py's for TPUs)")
+      raise SystemExit(
+        "--largest-batch compiles for a GPU topology (--replicated --max-batch for TPUs)"
+      )
     return search_batches(args, mesh, result)
   run_rows(args, mesh, result)
   return report(result, args.out)

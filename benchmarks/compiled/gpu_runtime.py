@@ -1,6 +1,6 @@
 """The GPU steps run on a real GPU: peak memory against the deviceless compile, and step time.
 
-For a lent GPU. ``tpu_sharded.py --topology 8xh100`` measures every step from the program the
+For a lent GPU. ``sharded.py --topology 8xh100`` measures every step from the program the
 GPU compiler builds with no GPU attached; this script checks those figures on the device.
 For each contender (AdamW, optax.contrib.sam, gsam, sam, ``sam(diagnostics=False)``,
 momentum_sam) and dtype, on one GPU:
@@ -12,9 +12,9 @@ momentum_sam) and dtype, on one GPU:
 * **time**: in one process, every step compiled and timed in interleaved rounds, as ratios to
   AdamW's and optax.contrib.sam's.
 
-    python benchmarks/gpu_runtime.py                       # ViT-L/16, 32 images, f32 and bf16
-    python benchmarks/gpu_runtime.py --model decoder --per-device-batch 4
-    python benchmarks/gpu_runtime.py --quick               # a small ViT; also runs on the CPU
+    python -m benchmarks.compiled.gpu_runtime                       # ViT-L/16, 32 images, f32 and bf16
+    python -m benchmarks.compiled.gpu_runtime --model decoder --per-device-batch 4
+    python -m benchmarks.compiled.gpu_runtime --quick               # a small ViT; also runs on the CPU
 
 Writes ``benchmarks/results/gpu_runtime.json`` (``--out``), and prints the table.
 """
@@ -29,7 +29,7 @@ import statistics
 import sys
 import time
 
-RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+RESULTS = pathlib.Path(__file__).resolve().parents[1] / "results"
 CONTENDERS = ("adamw", "optax.contrib.sam", "gsam", "sam", "sam diagnostics=False", "momentum_sam")
 GiB = 2**30
 
@@ -58,10 +58,11 @@ def _arrays(args, key_seed: int = 0):
 
 
 def _problem(options):
-  import tpu_sharded
+  from benchmarks.compiled import decoder
+  from benchmarks.compiled import vit
 
-  configs = {"vit": (tpu_sharded.VIT_L16, tpu_sharded.VIT_SCANNED_QUICK),
-             "decoder": (tpu_sharded.DECODER_1B, tpu_sharded.DECODER_QUICK)}  # fmt: skip
+  configs = {"vit": (vit.VIT_L16, vit.VIT_SCANNED_QUICK),
+             "decoder": (decoder.DECODER_1B, decoder.DECODER_QUICK)}  # fmt: skip
   return configs[options["model"]][options["quick"]]
 
 
@@ -69,19 +70,19 @@ def _one_device_mesh(device):
   import jax
   import numpy as np
 
-  return jax.sharding.Mesh(np.array([device]), ("data",))  # tpu_sharded.AXIS
+  return jax.sharding.Mesh(np.array([device]), ("data",))  # sharded_steps.AXIS
 
 
 def _peak_on_device(options, name, dtype, queue) -> None:
   """A fresh process: the step compiled and run on the device; its peak bytes in use."""
   import jax
 
-  device = jax.devices()[0]  # the backend starts here, before aot_env (tpu_sharded) sets the CPU
-  import tpu_sharded
-  from compiled_hlo import analyse
+  device = jax.devices()[0]  # the backend starts here, before aot_env (sharded_steps) sets the CPU
+  from benchmarks.compiled import sharded_steps
+  from benchmarks.compiled.hlo import analyse
 
   mesh = _one_device_mesh(device)
-  jitted, args, _ = tpu_sharded.build(mesh, _problem(options), tpu_sharded.DTYPES[dtype], name,
+  jitted, args, _ = sharded_steps.build(mesh, _problem(options), sharded_steps.DTYPES[dtype], name,
                                       options["batch"])  # fmt: skip
   with jax.set_mesh(mesh):
     compiled = jitted.lower(*args).compile()
@@ -100,14 +101,15 @@ def _peak_on_device(options, name, dtype, queue) -> None:
 def _peak_deviceless(options, name, dtype, memory_bytes, queue) -> None:
   """A fresh process on the CPU: the step compiled for a described GPU with that memory."""
   os.environ["JAX_PLATFORMS"] = "cpu"
-  import gpu_target
   import jax
-  import tpu_sharded
-  from compiled_hlo import analyse
+
+  from benchmarks.compiled import gpu_target
+  from benchmarks.compiled import sharded_steps
+  from benchmarks.compiled.hlo import analyse
 
   (device,) = gpu_target.gpu_devices(gpu_target.H100_SXM, 1, memory_bytes)
   mesh = _one_device_mesh(device)
-  jitted, args, _ = tpu_sharded.build(mesh, _problem(options), tpu_sharded.DTYPES[dtype], name,
+  jitted, args, _ = sharded_steps.build(mesh, _problem(options), sharded_steps.DTYPES[dtype], name,
                                       options["batch"])  # fmt: skip
   with jax.set_mesh(mesh):
     compiled = jitted.lower(*args).compile()
@@ -128,13 +130,13 @@ def _times(options, dtype) -> dict[str, float]:
   """Seconds per step of every contender, timed in interleaved rounds in this process."""
   import jax
 
-  mesh = _one_device_mesh(jax.devices()[0])  # before aot_env (tpu_sharded) sets the CPU
-  import tpu_sharded
+  mesh = _one_device_mesh(jax.devices()[0])  # before aot_env (sharded_steps) sets the CPU
+  from benchmarks.compiled import sharded_steps
 
   compiled, states = {}, {}
   with jax.set_mesh(mesh):
     for name in options["contenders"]:
-      jitted, args, _ = tpu_sharded.build(mesh, _problem(options), tpu_sharded.DTYPES[dtype], name,
+      jitted, args, _ = sharded_steps.build(mesh, _problem(options), sharded_steps.DTYPES[dtype], name,
                                           options["batch"])  # fmt: skip
       compiled[name] = jitted.lower(*args).compile()
       states[name] = _arrays(args)
@@ -170,12 +172,13 @@ def main(argv=None) -> dict:
     "batch": a.per_device_batch or (4 if a.quick else {"vit": 32, "decoder": 4}[a.model]),
   }  # fmt: skip
   import jax
-  from reporting import code_version
-  from reporting import render_table
-  from reporting import write_json
+
+  from benchmarks.reporting import code_version
+  from benchmarks.reporting import render_table
+  from benchmarks.reporting import write_json
 
   platform = jax.devices()[0].platform
-  result = {"command": " ".join(["python benchmarks/gpu_runtime.py", *(argv or sys.argv[1:])]),
+  result = {"command": " ".join(["python -m benchmarks.compiled.gpu_runtime", *(argv or sys.argv[1:])]),
             "code": code_version(), "jax": jax.__version__, "platform": platform,
             "device": jax.devices()[0].device_kind, "options": options, "rows": []}  # fmt: skip
   for dtype in a.dtypes:

@@ -4,7 +4,7 @@ The same file runs on every host of a pod, e.g. a TPU v3-64 (32 chips, 64
 cores, 8 hosts)::
 
     gcloud compute tpus tpu-vm ssh $TPU_NAME --zone $ZONE --worker=all --command \\
-      "cd optax_gsam && python benchmarks/pod_launch.py --multihost --model vit_b32 \\
+      "cd optax_gsam && python -m benchmarks.costs.pod_launch --multihost --model vit_b32 \\
          --global-batch 4096 --steps 50"
 
 and, with ``--cpu-devices 8``, on one machine with simulated devices (which is
@@ -13,7 +13,7 @@ JAX's multi-process runtime, the pod's own code path with real cross-process
 collectives (gloo)::
 
     python -m optax_gsam.launch --local-processes 2 --devices-per-process 4 -- \
-      benchmarks/pod_launch.py --multihost --global-batch 16 --steps 3
+      python -m benchmarks.costs.pod_launch --multihost --global-batch 16 --steps 3
 
 Each host:
 
@@ -128,7 +128,7 @@ def start_runtime(args: argparse.Namespace) -> None:
 
 def make_model(args: argparse.Namespace) -> tuple[Any, int, int]:
   """``(model, image_size, classes)`` of ``--model``."""
-  from models import ViT
+  from benchmarks.models import ViT
 
   if args.model == "vit_b32":
     return ViT(patch=32, width=768, depth=12, heads=12, num_classes=1000), 224, 1000
@@ -141,7 +141,7 @@ def make_train_step(args: argparse.Namespace, model, mesh: jax.sharding.Mesh):
 
   import optax_gsam
 
-  import harness
+  from benchmarks import harness
 
   lr = optax.warmup_cosine_decay_schedule(0.0, args.lr, max(1, args.steps // 10), args.steps)
   rho = optax_gsam.rho_from_lr(lr, args.rho_max, args.rho_min, num_steps=args.steps)

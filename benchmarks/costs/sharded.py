@@ -12,7 +12,7 @@ counts are exact.
 Targets: a sharded gsam or sam step has at most 2 all-reduces and 1 KiB of
 all-reduced bytes more than ``optax.contrib.sam``'s step (two base passes).
 
-Run: ``python benchmarks/sharded.py`` (about a minute on 2 cores); writes
+Run: ``python -m benchmarks.costs.sharded`` (about a minute on 2 cores); writes
 ``benchmarks/results/sharded.json``.
 """
 
@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import pathlib
-import sys
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -33,17 +32,16 @@ jax.config.update("jax_num_cpu_devices", 8)
 
 import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
-from baselines import contrib_sam  # noqa: E402
 from jax.sharding import AxisType  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-sys.path.insert(0, str(pathlib.Path(__file__).parent))
-import compiled_hlo  # noqa: E402
-
 import optax_gsam  # noqa: E402
 
-RESULTS = pathlib.Path(__file__).parent / "results"
+from benchmarks.baselines import contrib_sam  # noqa: E402
+from benchmarks.compiled import hlo  # noqa: E402
+
+RESULTS = pathlib.Path(__file__).resolve().parents[1] / "results"
 MESH_SHAPE, AXES = (2, 4), ("data", "model")
 # The params' layout (FSDP x tensor parallel) and the layout the model computes in.
 PARAM_SPECS = {"w1": P("data", "model"), "w2": P("model", "data"), "w3": P("data", "model")}
@@ -147,7 +145,7 @@ def measure(name: str, mode: AxisType, width: int, batch: int) -> dict:
     compiled = lowered.compile()
     compile_seconds = time.perf_counter() - start
   memory = compiled.memory_analysis()
-  found = compiled_hlo.collectives(compiled.as_text())
+  found = hlo.collectives(compiled.as_text())
   return {
     "contender": name,
     "mode": mode.name,

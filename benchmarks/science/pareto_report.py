@@ -9,14 +9,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import harness
-from harness import Contender
-from pareto_contenders import CONTENDERS
-from pareto_contenders import COST_LIMIT
-from pareto_contenders import GAIN_COST_LIMIT
-from pareto_contenders import GAIN_SHARE
-from pareto_contenders import LATE_LIMIT
-from pareto_contenders import OVERHEAD_LIMIT
+from benchmarks import harness
+from benchmarks.harness import Contender
+from benchmarks.science.pareto_contenders import CONTENDERS
+from benchmarks.science.pareto_contenders import COST_LIMIT
+from benchmarks.science.pareto_contenders import GAIN_COST_LIMIT
+from benchmarks.science.pareto_contenders import GAIN_SHARE
+from benchmarks.science.pareto_contenders import LATE_LIMIT
+from benchmarks.science.pareto_contenders import OVERHEAD_LIMIT
 
 
 def check_targets(

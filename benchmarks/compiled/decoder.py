@@ -1,4 +1,4 @@
-"""A decoder-only transformer for ``tpu_sharded.py``: scanned, rematerialized blocks, FSDP layout.
+"""A decoder-only transformer for ``sharded.py``: scanned, rematerialized blocks, FSDP layout.
 
 Pre-LayerNorm blocks (causal multi-head attention, GELU MLP), learned positions, an untied
 output projection, next-token cross-entropy. The blocks are one ``nn.scan`` over a stacked

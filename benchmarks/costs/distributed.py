@@ -10,11 +10,11 @@ For base / SAM / GSAM, per-device and synchronized perturbation (and GSAM with
    reports each contender's median step time as a ratio to the base step;
 3. prints the TPU compiler's figures for the paper's ViT-B/32 on a TPU v3-64
    (global batch 4096, 64 per core): peak memory, FLOPs, XLA's time estimate
-   and all-reduce bytes per core, as ``benchmarks/tpu_compile.py`` recorded them
+   and all-reduce bytes per core, as ``benchmarks/compiled/tpu_compile.py`` recorded them
    in ``results/tpu_compile.json`` (compiled ahead of time, no estimate on paper).
 
-    python benchmarks/distributed.py            # full
-    python benchmarks/distributed.py --quick    # about a minute on 2 cores
+    python -m benchmarks.costs.distributed            # full
+    python -m benchmarks.costs.distributed --quick    # about a minute on 2 cores
 
 Writes ``benchmarks/results/distributed.json``.
 """
@@ -38,12 +38,12 @@ import optax
 
 import optax_gsam
 
-import harness
-from harness import render_table
-from models import ViT
+from benchmarks import harness
+from benchmarks.harness import render_table
+from benchmarks.models import ViT
 
 AXIS = "data"
-RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+RESULTS = pathlib.Path(__file__).resolve().parents[1] / "results"
 DTYPE_BYTES = {"f64": 8, "f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "s8": 1, "pred": 1}
 SCALAR_BYTES = 1024  # all-reduces at or below this size carry losses and diagnostics
 
@@ -145,7 +145,7 @@ def measure(args) -> list[dict]:
 def pod_figures(path: pathlib.Path) -> dict | None:
   """The TPU compiler's per-core figures for the v3-64 ViT-B/32 step, from tpu_compile.py's JSON.
 
-  Nothing here is estimated: ``benchmarks/tpu_compile.py`` compiled each step for a
+  Nothing here is estimated: ``benchmarks/compiled/tpu_compile.py`` compiled each step for a
   described v3-64 and recorded what ``memory_analysis()``, ``cost_analysis()``
   and the HLO say. Returns None when that JSON is missing.
   """
@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None) -> dict:
     "--pod-results",
     type=pathlib.Path,
     default=RESULTS / "tpu_compile.json",
-    help="benchmarks/tpu_compile.py's JSON, for the v3-64 figures",
+    help="benchmarks/compiled/tpu_compile.py's JSON, for the v3-64 figures",
   )
   parser.add_argument("--out", type=pathlib.Path, default=RESULTS / "distributed.json")
   args = parser.parse_args(argv)
@@ -246,7 +246,9 @@ def main(argv: list[str] | None = None) -> dict:
   if not args.no_pod_estimate:
     figures = pod_figures(args.pod_results)
     if figures is None:
-      print(f"\nno {args.pod_results}: run benchmarks/tpu_compile.py for the v3-64 figures")
+      print(
+        f"\nno {args.pod_results}: run benchmarks/compiled/tpu_compile.py for the v3-64 figures"
+      )
     else:
       result["pod_compiled"] = figures
       print("\n" + format_pod_figures(figures))

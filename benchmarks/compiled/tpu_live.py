@@ -3,7 +3,7 @@
 ``results/memory_table.json`` marks each TPU cell met or missed from the compiled data peak
 (argument + output - alias + temp). For every missed cell this script compiles the step and its
 reference again, at the model, batch and topology their result file records, with XLA's dumps,
-and reads the live-range dump's breakdown of the peak (``tpu_buffers.py``): the bytes of every
+and reads the live-range dump's breakdown of the peak (``buffers.py``): the bytes of every
 buffer live at the step's peak, arguments included. The cell's excess over its reference (the
 difference of the data peaks, in ``P``) splits in two:
 
@@ -20,10 +20,10 @@ lists the kinds with the most more bytes live at the step's peak than at the ref
 ``released`` those with the most fewer: gross figures, which name what a held excess is made of
 where both compiles name their buffers alike.
 
-    python benchmarks/memory_table.py                # the verdicts, from the recorded results
-    python benchmarks/tpu_live.py                    # every missed TPU cell (about 40 minutes)
-    python benchmarks/tpu_live.py --models decoder   # one model's cells; --dumps DIR keeps dumps
-    python benchmarks/memory_table.py                # the table again, with the live excess
+    python -m benchmarks.compiled.memory_table                # the verdicts, from the recorded results
+    python -m benchmarks.compiled.tpu_live                    # every missed TPU cell (about 40 minutes)
+    python -m benchmarks.compiled.tpu_live --models decoder   # one model's cells; --dumps DIR keeps dumps
+    python -m benchmarks.compiled.memory_table                # the table again, with the live excess
 
 Writes ``results/tpu_live.json``, which ``memory_table.py`` reads into the table.
 """
@@ -40,12 +40,14 @@ import sys
 import tempfile
 from typing import Any
 
-import aot_env  # noqa: F401 (the compile-only environment, set before jax is imported)
-import memory_table  # the benchmarks folder is on sys.path when a script runs
-import tpu_buffers
-from compiled_hlo import data_peak
-from reporting import code_version
-from reporting import write_json
+from benchmarks.compiled import aot_env  # noqa: F401 (set before jax is imported)
+
+# isort: split
+from benchmarks.compiled import buffers
+from benchmarks.compiled import memory_table
+from benchmarks.compiled.hlo import data_peak
+from benchmarks.reporting import code_version
+from benchmarks.reporting import write_json
 
 GiB, MiB = memory_table.GiB, memory_table.MiB
 MODELS = memory_table.TPU_MODEL_LABELS  # command-line name -> the table's model label
@@ -60,22 +62,23 @@ def compile_recorded(model: str, name: str, dtype: str, dump: str | None = None)
   folder for XLA's dumps, must reach the TPU backend before it starts.
   """
   if dump:
-    tpu_buffers.request_dumps(dump)
+    buffers.request_dumps(dump)
   import jax
-  import tpu_compile
-  import tpu_sharded
-  from compiled_hlo import analyse
-  from tpu_decoder import DecoderConfig
-  from tpu_mlp import MLPConfig
-  from tpu_vit import ViTConfig
+
+  from benchmarks.compiled import sharded_steps
+  from benchmarks.compiled import tpu_compile
+  from benchmarks.compiled.decoder import DecoderConfig
+  from benchmarks.compiled.hlo import analyse
+  from benchmarks.compiled.mlp import MLPConfig
+  from benchmarks.compiled.vit import ViTConfig
 
   jax.config.update("jax_enable_compilation_cache", False)
   recorded = memory_table.recorded_result(model)
   config = {k: v for k, v in recorded["model"].items() if k != "name"}
   if model in (MODELS["decoder"], MODELS["mlp"]):
     kind = DecoderConfig if model == MODELS["decoder"] else MLPConfig
-    mesh = tpu_sharded.tpu_mesh(recorded["topology"])
-    row, compiled = tpu_sharded.compile_row(
+    mesh = sharded_steps.tpu_mesh(recorded["topology"])
+    row, compiled = sharded_steps.compile_row(
       mesh, kind(**config), dtype, name, recorded["per_core_batch"]
     )
   else:
@@ -143,12 +146,12 @@ def kind(label: str) -> str:
 
 def read_dump(folder: pathlib.Path, module: str) -> dict[str, Any]:
   """What is live at the peak of ``module``'s dump in ``folder``: the bytes, and by kind."""
-  text = tpu_buffers.read(folder, module)
+  text = buffers.read(folder, module)
   kinds: dict[str, int] = {}
-  for group, (_, size) in tpu_buffers.grouped(tpu_buffers.peak_buffers(text)).items():
+  for group, (_, size) in buffers.grouped(buffers.peak_buffers(text)).items():
     kinds[kind(group)] = kinds.get(kind(group), 0) + size
   kept = {k: b for k, b in sorted(kinds.items(), key=lambda kv: -kv[1]) if b >= MiB}
-  return {"live_bytes": tpu_buffers.peak_bytes(text), "kinds": kept}
+  return {"live_bytes": buffers.peak_bytes(text), "kinds": kept}
 
 
 def _dumped_program(model: str, name: str, dtype: str, folder: pathlib.Path) -> dict:
@@ -201,7 +204,7 @@ def collect(
   ``from_dumps``: no compiling; ``out``'s programs are read again from their dumps under ``root``.
   """
   result: dict[str, Any] = {
-    "command": " ".join(["python benchmarks/tpu_live.py", *sys.argv[1:]]),
+    "command": " ".join(["python -m benchmarks.compiled.tpu_live", *sys.argv[1:]]),
     "programs": {},  # each with the code version it was compiled at
     "cells": [],
   }
@@ -216,7 +219,7 @@ def collect(
     name, reference, needs = step_of(model, label, over)
     for program in (name, reference):
       key = f"{model} | {program} | {dtype}"
-      folder = root / tpu_buffers.slug(f"{model} {dtype} {program}")
+      folder = root / buffers.slug(f"{model} {dtype} {program}")
       if from_dumps:
         programs[key].update(read_dump(folder, programs[key]["module"]))
       elif key not in programs:

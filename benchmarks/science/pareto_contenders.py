@@ -18,11 +18,11 @@ import optax
 import optax_gsam
 from optax_gsam import demo
 
-import harness
-from harness import Contender
-from harness import before_base
-from models import CNN1D
-from models import load_mnist1d
+from benchmarks import harness
+from benchmarks.harness import Contender
+from benchmarks.harness import before_base
+from benchmarks.models import CNN1D
+from benchmarks.models import load_mnist1d
 
 GSAM_ALPHA = 0.3
 LATE_START = 0.75  # late-phase SAM: rho = 0 before this fraction of the steps

@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from compiled_hlo import HBM_BYTES
-from reporting import render_table
+from benchmarks.compiled.hlo import HBM_BYTES
+from benchmarks.reporting import render_table
 
 GiB = 2**30
 MAX_PROBE_BATCH = 2**20  # the search stops growing here, should nothing ever fail

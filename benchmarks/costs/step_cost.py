@@ -9,9 +9,9 @@ small ResNet. The contenders run interleaved (:func:`harness.interleaved`);
 flops, bytes and reduce counts come from the compiled step. Targets and results:
 benchmarks/README.md.
 
-    python benchmarks/step_cost.py            # full: 25 rounds x 10 steps (~10 min, 2 cores)
-    python benchmarks/step_cost.py --quick    # about a minute
-    python benchmarks/step_cost.py --donate   # donate params and optimizer state, all alike
+    python -m benchmarks.costs.step_cost            # full: 25 rounds x 10 steps (~10 min, 2 cores)
+    python -m benchmarks.costs.step_cost --quick    # about a minute
+    python -m benchmarks.costs.step_cost --donate   # donate params and optimizer state, all alike
 
 Writes ``results/step_cost[_quick][_donate].json`` and a PNG.
 """
@@ -24,15 +24,15 @@ import functools
 import jax
 import numpy as np
 import optax
-from baselines import contrib_sam
 
 import optax_gsam
 
-import harness
-from harness import Contender
-from harness import before_base
-from models import ResNet
-from models import ViT
+from benchmarks import harness
+from benchmarks.baselines import contrib_sam
+from benchmarks.harness import Contender
+from benchmarks.harness import before_base
+from benchmarks.models import ResNet
+from benchmarks.models import ViT
 
 
 def _gsam_every(hp: harness.HParams) -> optax.GradientTransformation:

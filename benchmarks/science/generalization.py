@@ -11,11 +11,11 @@ fixed rho, and the spectral density (SLQ); and the top eigenvalue during trainin
 every TRACK_EVERY epochs, with what tracking it costs. Tables and what they say:
 benchmarks/README.md.
 
-    python benchmarks/generalization.py           # full: 6 seeds, 60 epochs
-    python benchmarks/generalization.py --quick   # 2 seeds, 20 epochs
-    python benchmarks/generalization.py --tune    # the validation sweep behind DEFAULTS
-    python benchmarks/generalization.py --cost    # only what tracking lambda_max costs
-    python benchmarks/generalization.py --norm    # SAM-ON: base, SAM, SAM-ON on NormMLP
+    python -m benchmarks.science.generalization           # full: 6 seeds, 60 epochs
+    python -m benchmarks.science.generalization --quick   # 2 seeds, 20 epochs
+    python -m benchmarks.science.generalization --tune    # the validation sweep behind DEFAULTS
+    python -m benchmarks.science.generalization --cost    # only what tracking lambda_max costs
+    python -m benchmarks.science.generalization --norm    # SAM-ON: base, SAM, SAM-ON on NormMLP
 
 Writes ``results/generalization[_quick].json`` and two PNGs, ``generalization[_quick].png``
 (accuracy) and ``generalization[_quick]_sharpness.png`` (lambda_max over training and the final
@@ -38,10 +38,10 @@ import numpy as np
 import optax_gsam
 from optax_gsam import demo
 
-import harness
-from harness import Contender
-from harness import before_base
-from models import NormMLP
+from benchmarks import harness
+from benchmarks.harness import Contender
+from benchmarks.harness import before_base
+from benchmarks.models import NormMLP
 
 TASK = harness.Task("digits", demo.MLP(), demo.load_digits, (0.0, 0.2, 0.4), 64, 60)
 NORM_TASK = dataclasses.replace(TASK, name="digits-ln", model=NormMLP())  # --norm

@@ -1,4 +1,4 @@
-"""What is live at a compiled step's peak, read from XLA's dumps (``tpu_sharded.py --dump``).
+"""What is live at a compiled step's peak, read from XLA's dumps (``sharded.py --dump``).
 
 The TPU compiler's ``*after_optimizations-live-range.txt`` ends with a "Stack trace breakdown
 for peak usage": every buffer live at the peak, named by the JAX operation (its ``op_name``
@@ -6,7 +6,7 @@ path, e.g. ``jit(step)/transpose(jvp(Decoder))/while``) or the argument (``opt_s
 ['blocks']['up']['kernel']``) it holds, with its bytes. This module reads that list and groups
 it, so that two steps' peaks can be compared buffer by buffer.
 
-    python benchmarks/tpu_buffers.py DUMP/f32-gsam DUMP/f32-adamw [--shard-bytes N] [--top 25]
+    python -m benchmarks.compiled.buffers DUMP/f32-gsam DUMP/f32-adamw [--shard-bytes N] [--top 25]
 """
 
 from __future__ import annotations

@@ -14,10 +14,10 @@ with LayerNorms (``mnist1d-ln``), for the directions (Friendly-SAM, VaSSO, 2-ste
 SAM-ON) and the policies; it reports the share of SAM's gain over the base that
 each contender keeps. ``--base sgd`` swaps AdamW for SGD with momentum.
 
-    python benchmarks/pareto.py                     # full: tuning, 5 seeds (~60 min, 2 cores)
-    python benchmarks/pareto.py --quick             # smoke run: small MNIST-1D, 2 epochs, DEFAULTS
-    python benchmarks/pareto.py --no-tune --seeds 3 # the full run without tuning
-    python benchmarks/pareto.py --joint --base sgd --tune-seeds 2 --no-vit   # ~60 min, 2 cores
+    python -m benchmarks.science.pareto                     # full: tuning, 5 seeds (~60 min, 2 cores)
+    python -m benchmarks.science.pareto --quick             # smoke run: small MNIST-1D, 2 epochs, DEFAULTS
+    python -m benchmarks.science.pareto --no-tune --seeds 3 # the full run without tuning
+    python -m benchmarks.science.pareto --joint --base sgd --tune-seeds 2 --no-vit   # ~60 min, 2 cores
 
 Writes ``results/pareto[_quick][_joint][_sgd].json`` (``rows``: base_optimizer,
 dataset, noise, contender, acc_mean, acc_std, seeds, step_cost, base_steps, ...;
@@ -34,31 +34,31 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import harness
-from harness import Contender
-from models import ViT
-from pareto_contenders import CONTENDERS
-from pareto_contenders import DEFAULT_CONTENDERS
-from pareto_contenders import DEFAULTS
-from pareto_contenders import JOINT_CONTENDERS
-from pareto_contenders import JOINT_DEFAULTS
-from pareto_contenders import JOINT_LR_GRIDS
-from pareto_contenders import LR_GRIDS
-from pareto_contenders import QUICK_COMPILER_OPTIONS
-from pareto_contenders import TUNE_SEEDS
-from pareto_contenders import TUNED_WITH
-from pareto_contenders import grids
-from pareto_contenders import joint_grids
-from pareto_contenders import late_rho
-from pareto_contenders import tasks
-from pareto_report import check_gain_shares
-from pareto_report import check_targets
-from pareto_report import format_overhead
-from pareto_report import format_shares
-from pareto_report import format_table
-from pareto_report import gain_shares
-from pareto_report import plot
-from pareto_report import replot
+from benchmarks import harness
+from benchmarks.harness import Contender
+from benchmarks.models import ViT
+from benchmarks.science.pareto_contenders import CONTENDERS
+from benchmarks.science.pareto_contenders import DEFAULT_CONTENDERS
+from benchmarks.science.pareto_contenders import DEFAULTS
+from benchmarks.science.pareto_contenders import JOINT_CONTENDERS
+from benchmarks.science.pareto_contenders import JOINT_DEFAULTS
+from benchmarks.science.pareto_contenders import JOINT_LR_GRIDS
+from benchmarks.science.pareto_contenders import LR_GRIDS
+from benchmarks.science.pareto_contenders import QUICK_COMPILER_OPTIONS
+from benchmarks.science.pareto_contenders import TUNE_SEEDS
+from benchmarks.science.pareto_contenders import TUNED_WITH
+from benchmarks.science.pareto_contenders import grids
+from benchmarks.science.pareto_contenders import joint_grids
+from benchmarks.science.pareto_contenders import late_rho
+from benchmarks.science.pareto_contenders import tasks
+from benchmarks.science.pareto_report import check_gain_shares
+from benchmarks.science.pareto_report import check_targets
+from benchmarks.science.pareto_report import format_overhead
+from benchmarks.science.pareto_report import format_shares
+from benchmarks.science.pareto_report import format_table
+from benchmarks.science.pareto_report import gain_shares
+from benchmarks.science.pareto_report import plot
+from benchmarks.science.pareto_report import replot
 
 # What tests and other scripts reach through pareto: the tables, the formulas, the entry point.
 __all__ = [

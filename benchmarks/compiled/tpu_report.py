@@ -6,7 +6,7 @@ dtype and contender): no compiler here.
 
 from __future__ import annotations
 
-from reporting import render_table
+from benchmarks.reporting import render_table
 
 GiB = 2**30
 

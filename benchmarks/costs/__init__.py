@@ -1,0 +1,1 @@
+"""The costs: step time, compile time, memory and collectives on the CPU backend."""

@@ -1,0 +1,1 @@
+"""The science: accuracy, sharpness and generalization against step cost."""
