@@ -9,6 +9,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from optax_gsam._src.core.arrays import _explicit_sharding
 from optax_gsam._src.core.validation import check_positive_int
 
 # The recorded epoch of an entry never written. Not -1: at epoch Ẽ - 1 the target epoch is -1.
@@ -142,6 +143,20 @@ def _slot_rows(store: SAFStore, ids: jax.Array) -> tuple[jax.Array, jax.Array]:
   return in_range, jnp.where(in_range, ids, num_examples)
 
 
+def _gather(array: jax.Array, rows: jax.Array, slot: jax.Array) -> jax.Array:
+  """``array[rows, slot]``, laid out as the ids are under explicit mesh axes (by example)."""
+  sharding = _explicit_sharding(rows)
+  if sharding is None:
+    return array[rows, slot]
+  spec = jax.sharding.PartitionSpec(sharding.spec[0], *([None] * (array.ndim - 2)))
+  return array.at[rows, slot].get(out_sharding=sharding.update(spec=spec))
+
+
+def _scatter(array: jax.Array, rows: jax.Array, slot: jax.Array, values: jax.Array) -> jax.Array:
+  """``array`` with ``array[rows, slot] = values`` (rows out of range dropped), in its layout."""
+  return array.at[rows, slot].set(values, mode="drop", out_sharding=_explicit_sharding(array))
+
+
 def saf_targets(
   store: SAFStore, ids: jax.Array, epoch: Any, *, start_epoch: int = 0
 ) -> tuple[jax.Array, jax.Array]:
@@ -187,9 +202,9 @@ def saf_targets(
   in_range, rows = _slot_rows(store, ids)
   rows = jnp.minimum(rows, store.outputs.shape[0] - 1)  # a safe row to read; masked below
   slot = jnp.asarray(epoch) % lag
-  recorded = store.recorded_epoch[rows, slot]
+  recorded = _gather(store.recorded_epoch, rows, slot)
   valid = in_range & (recorded == jnp.asarray(epoch) - lag) & (jnp.asarray(epoch) >= start_epoch)
-  targets = jnp.where(valid[:, None], store.outputs[rows, slot], 0)
+  targets = jnp.where(valid[:, None], _gather(store.outputs, rows, slot), 0)
   return targets, valid
 
 
@@ -232,8 +247,7 @@ def saf_record(store: SAFStore, ids: jax.Array, logits: jax.Array, epoch: Any) -
   _, rows = _slot_rows(store, ids)
   slot = jnp.asarray(epoch) % store.outputs.shape[1]
   values = jax.lax.stop_gradient(logits).astype(store.outputs.dtype)
-  outputs = store.outputs.at[rows, slot].set(values, mode="drop")
-  recorded_epoch = store.recorded_epoch.at[rows, slot].set(
-    jnp.asarray(epoch, jnp.int32), mode="drop"
-  )
+  epochs = jnp.full(rows.shape, epoch, jnp.int32)
+  outputs = _scatter(store.outputs, rows, slot, values)
+  recorded_epoch = _scatter(store.recorded_epoch, rows, slot, epochs)
   return SAFStore(outputs, recorded_epoch)
