@@ -60,8 +60,30 @@ def float16_compiles() -> bool:
   return True
 
 
+# The fast selection, `python -m pytest -n 2 -m fast` (CONTRIBUTING.md): the public names, the
+# house's rules, and the core maths (perturbation, ascent directions, the stages of a step, gsam
+# and sam) against their float64 references, with the argument checks. Under a minute on two
+# cores; the README's whole suite stays the contract.
+FAST_FILES = frozenset(
+  {
+    "test_public_names.py",
+    "test_layout.py",
+    "test_perturbation.py",
+    "test_ascent.py",
+    "test_step.py",
+    "test_sharpness.py",
+    "test_validation.py",
+  }
+)
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
 def pytest_collection_modifyitems(config, items):
-  """Tests marked ``float16`` skip, saying why, where XLA's CPU JIT has no float16."""
+  """Marks the fast selection; tests marked ``float16`` skip, saying why, where XLA's CPU JIT
+  has no float16."""
+  for item in items:
+    if item.path.name in FAST_FILES:
+      item.add_marker(pytest.mark.fast)
   marked = [item for item in items if item.get_closest_marker("float16")]
   if marked and not float16_compiles():
     reason = "XLA's CPU JIT converts float16 only with F16C (off under --xla_cpu_max_isa=SSE4_2)"

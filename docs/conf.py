@@ -66,6 +66,7 @@ autodoc_type_aliases = {
       "optax.GradientTransformation",
       "optax.GradientTransformationExtraArgs",
       "jax.sharding.Mesh",
+      "jax.sharding.Sharding",
     )
   },
   "Mesh": "jax.sharding.Mesh",

@@ -36,6 +36,7 @@ INVENTORIES: dict[str, tuple[str, dict[str, tuple[str, str]]]] = {
     {
       "jax.Array": ("class", "_autosummary/jax.Array.html#$"),
       "jax.sharding.Mesh": ("class", "jax.sharding.html#$"),
+      "jax.sharding.Sharding": ("class", "jax.sharding.html#$"),
     },
   ),
   "optax": (

@@ -208,177 +208,23 @@ def gsam(
   :math:`\nabla f_p`, which shrinks the surrogate gap :math:`h = f_p - f`, a
   measure of sharpness. ``alpha=0`` is SAM.
 
-  ``update(updates, state, params, *, loss_fn=None, value_and_grad_fn=None,
-  value=None, perturb=None, **extra_args)`` takes exactly one of ``loss_fn``
-  (params -> scalar loss, or ``(loss, aux)`` as Flax and big_vision losses
-  return; the first element is the loss) or ``value_and_grad_fn`` (params -> (value, grads), where value
-  may be ``(loss, aux)``; e.g. :func:`optax_gsam.cached_value_and_grad`).
-  ``value``, optax's name for the clean loss, is used for the surrogate gap
-  diagnostic. Other extra args are ignored.
-
-  **Data parallelism (m-sharpness).** With ``axis_name`` set, ``update`` runs
-  inside ``jax.pmap``/``jax.shard_map``/``jax.vmap`` over that axis, ``updates``
-  is the device's local clean gradient and ``loss_fn`` the local-shard loss.
-  The output is always averaged over the axis (do not ``pmean`` it again):
-
-  * ``sync_perturbation=False`` (the paper's setting): each device perturbs
-    with its own :math:`g_c` and decomposes its own gradients; the resulting
-    :math:`g` is averaged. One gradient-sized all-reduce, as in a base step
-    (two on the full steps of a ``cheap="reuse"`` policy such as
-    :func:`optax_gsam.every_k_policy`, which also average the stored
-    direction).
-  * ``sync_perturbation=True``: :math:`g_c` is averaged before perturbing and
-    :math:`g_p` before the decomposition, which equals single-device GSAM on
-    the global batch. Two gradient-sized all-reduces.
-
-  **Micro-batches.** With ``microbatches=k``, ``update(updates, state,
-  params, loss_fn=..., batch=batch)`` takes ``loss_fn(params, microbatch)``
-  (or ``value_and_grad_fn(params, microbatch)``) and splits every leaf of
-  ``batch`` along its leading axis into k equal micro-batches, evaluated one
-  at a time in a ``lax.scan`` (one micro-batch's activations and one
-  params-sized sum live). Without ``batch``, the function receives the
-  micro-batch index (an int32 scalar in ``[0, k)``). ``key=`` appends micro-batch
-  i's key ``fold_in(key, i)`` (the same in both passes); ``model_state=`` carries
-  state through the micro-batches (see :func:`optax_gsam.accumulate_value_and_grad`,
-  which runs the clean pass and returns the new state). Two semantics:
-
-  * whole batch (default): :math:`g_c` and :math:`g_p` are the means over the
-    micro-batches, the weights are perturbed once along the whole batch's
-    :math:`g_c`; the result is GSAM on the whole batch. ``updates=None`` lets
-    the transform accumulate :math:`g_c` too (and the clean loss, for the
-    surrogate gap); otherwise ``updates`` is the caller's whole-batch
-    :math:`g_c`.
-  * ``perturb_each_microbatch=True``: each micro-batch is perturbed along its
-    own clean gradient (m-sharpness with m the micro-batch size) and the
-    output is the mean of the micro-batches' GSAM gradients; the values of
-    ``updates`` are not read (pass ``None``).
-
-  Both work with ``axis_name`` (they split each device's batch). See
-  docs/large_batches.md. ``optax.MultiSteps`` around the transform is
-  refused (but for ``every_k_schedule=1``): it would perturb along the
-  accumulated gradient but evaluate only the last micro-batch's ``loss_fn``.
-
-  **The ascent stage.** ``ascent`` is an ``optax.GradientTransformation``
-  mapping a gradient to a perturbation of radius 1 (the default is
-  :func:`optax_gsam.normalized_ascent`; see :func:`optax_gsam.adaptive_ascent`,
-  :func:`optax_gsam.friendly_ascent` and :func:`optax_gsam.vasso_ascent`);
-  its state is ``GSAMState.ascent_state``. ``ascent_steps=n`` takes n steps
-  of length :math:`\rho_t / n`, each along the direction of the gradient at
-  the point reached; a stateful direction advances once, from :math:`g_c`.
-  ``mask`` (a pytree of Python bools, or a function of the params returning
-  one, as ``optax.masked`` takes) restricts the perturbation to the selected
-  leaves; every leaf's gradient is still taken at the perturbed point. The
-  transform must be the first stage of its ``optax.chain`` (a stage before
-  it would be lost; this is refused, but for ``optax.identity()`` and
-  :func:`optax_gsam.passthrough` stages), and not inside ``optax.masked``
-  (use ``mask``). See docs/directions.md.
-
-  **Frozen parameters.** ``frozen`` names the leaves that a later stage
-  freezes (``optax.set_to_zero()`` in ``optax.partition``, ``optax.freeze``):
-  the transform then runs on the trained leaves alone. A frozen leaf is not
-  perturbed, takes no part in the norms and inner products, has no gradient
-  in the perturbed pass (``loss_fn`` gets its value, held constant) and no
-  state, and its output is zero. With ``frozen=None`` and ``mask=None``, a
-  later partition or freeze that zeros leaves the transform perturbs is
-  warned about while the update is traced. See docs/fine_tuning.md.
-
-  **Cheap steps.** A ``policy`` (:class:`optax_gsam.SharpnessPolicy`) decides
-  at each step between the full step above and a cheap one that needs only
-  :math:`g_c`: the clean gradient itself (``cheap="clean"``, a plain
-  base-optimizer step) or :math:`g_c + \lambda_t \|g_c\| v / \|v\|`, which
-  adds back :math:`v = g^{\perp g_c}`, the part of the last full step's output
-  orthogonal to the clean gradient (``cheap="reuse"``, LookSAM). For GSAM,
-  :math:`v` also carries the surrogate-gap term. The policies:
-  :func:`optax_gsam.every_step_policy` (the default),
-  :func:`optax_gsam.every_k_policy` (LookSAM), :func:`optax_gsam.gradient_norm_policy`
-  (AE-SAM) and :func:`optax_gsam.random_policy`. Every policy but the default
-  takes the cheap step where :math:`\rho_t = 0`. Inside one jitted step the
-  choice is a ``lax.cond``; ``update(..., perturb=True|False)``, a static
-  Python bool, fixes the branch at trace time instead (the policy's state
-  still advances): jit one step function per branch and pick it in Python,
-  with :func:`optax_gsam.full_step_due` for the policy's answer. That avoids
-  XLA CPU's slow convolutions inside conditionals (jax-ml/jax#12868), where a
-  ``lax.cond`` full step can cost many times a plain one. Under ``jax.vmap``
-  the ``lax.cond`` stays a conditional while the state is not batched (as in
-  :func:`optax_gsam.emulate_devices`); vmapping over optimizer states turns it
-  into a select that runs both branches. The diagnostics keep the values of
-  the last full step; ``GSAMState.full_steps`` counts the full steps.
-
-  **Non-finite steps.** With ``on_nonfinite="propagate"`` a non-finite
-  perturbed gradient reaches the output (put ``optax.apply_if_finite`` after
-  the transform to skip such steps); a perturbed loss that overflows while
-  its gradient stays finite is only seen in the ``perturbed_loss``
-  diagnostic. With ``on_nonfinite="clean"``, a full step whose perturbed loss
-  or output is not finite while the clean gradient is finite outputs the
-  clean gradient (averaged like the output), so the chain takes a plain base
-  step; ``GSAMState.fallback_count`` counts those steps. Either way such a
-  step never replaces the stored direction.
-
-  **Unusable rho values.** A rho schedule (or injected rho) whose value at a
-  step is NaN, infinite or negative makes that step output the clean gradient,
-  whatever ``on_nonfinite`` says; the step counts (so the schedule moves on),
-  ``GSAMState.fallback_count`` counts it and ``GSAMState.last_rho`` shows the
-  value. An injected alpha that is traced (``inject_hyperparams`` under
-  ``jit``) is treated alike. A float rho or alpha, or a concrete array, is
-  checked when the transform is built.
-
-  Under ``optax.inject_hyperparams(optax_gsam.gsam)``, rho, alpha and eps
-  become injectable; a ``mask`` function goes in ``static_args``, and
-  ``policy`` and ``ascent`` stay static (schedule a policy's weight with
-  ``every_k_policy(k, reuse_weight=schedule)``). Injected values take the params' dtype
-  unless ``hyperparam_dtype`` is given, so with bfloat16 params pass
-  ``hyperparam_dtype=jnp.float32``; a scheduled rho is then read at
-  ``inject_hyperparams``' own count.
+  ``update(updates, state, params, *, loss_fn=..., value=...)`` takes the
+  loss function (params -> loss, or ``(loss, aux)``) or ``value_and_grad_fn``;
+  ``value``, the clean loss, feeds the surrogate-gap diagnostic. The update
+  call, data parallelism, micro-batches, ascent directions, frozen leaves,
+  cheap-step policies, non-finite steps and ``inject_hyperparams`` are
+  described option by option in docs/options.md.
 
   Args:
     rho: the perturbation radius, a float >= 0 or any ``optax.Schedule`` (e.g.
       :func:`optax_gsam.rho_from_lr`), read at the transform's own step count.
-    alpha: weight of the surrogate-gap term, >= 0.
-    eps: :math:`\varepsilon` > 0, guards every division.
-    minimize_fp: the decomposition branch (see above).
-    sync_perturbation: average :math:`g_c` over ``axis_name`` before perturbing.
-    axis_name: the data-parallel axis name, or ``None`` on a single device or
-      under ``jax.jit`` with globally sharded arrays (gradients are global
-      there, which behaves as synchronized).
-    policy: when to take the full step (see above); ``None`` is
-      :func:`optax_gsam.every_step_policy`.
-    on_nonfinite: ``"propagate"`` or ``"clean"`` (see above).
-    diagnostics: record each full step's gradient statistics (the state's
-      ``cosine``, ``clean_grad_norm`` and ``perturbed_grad_norm``). ``False``
-      leaves them 0 and does not compute them: :func:`sam` then reads the clean
-      gradient only to perturb, so it is freed before the perturbed pass ends
-      (one params-sized buffer less; GSAM's decomposition needs it anyway). The
-      losses are always recorded.
-    check_axis: with ``axis_name=None``, raise a ``ValueError`` when ``update``
-      runs under a mapped axis (``jax.pmap``, ``jax.shard_map``, a named
-      ``jax.vmap``), where each replica would perturb with its own gradient and
-      nothing would average the outputs. Set ``False`` where that axis is not
-      a data axis (a named ``jax.vmap`` over seeds, say), or where the
-      gradients given to ``update`` are already global and identical on every
-      replica, e.g. those of :func:`optax_gsam.cached_value_and_grad` with its
-      own ``axis_name``.
-    ascent: the ascent direction, an ``optax.GradientTransformation`` (see
-      above); ``None`` is :func:`optax_gsam.normalized_ascent`.
-    ascent_steps: the number of ascent steps n >= 1 (``None``: 1); a full step
-      evaluates n gradients besides the clean one.
-    mask: which params leaves are perturbed (see above); ``None``: all.
-    frozen: which params leaves are frozen (see above), as ``optax.freeze``'s
-      mask: a pytree of Python bools (True: frozen), a prefix of params, or a
-      function params -> one, e.g.
-      :func:`optax_gsam.frozen_leaves` of an ``optax.partition``. ``None``:
-      every leaf is trained.
-    microbatches: split ``batch=`` into this many micro-batches (see above).
-    perturb_each_microbatch: one perturbation per micro-batch instead of one
-      for the whole batch.
-    adaptive: deprecated, ``ascent=optax_gsam.adaptive_ascent(adaptive, eps)``.
-    perturb_every: deprecated, ``policy=optax_gsam.every_k_policy(k,
-      reuse_weight=w)`` (``None`` or 1: the default policy).
-    reuse_weight: deprecated, the ``w`` above (``None``: 0.7).
-    num_groups: deprecated, ``microbatches=G, perturb_each_microbatch=True``.
-
-  The four deprecated keywords still work as the replacements above; each call
-  that gives one warns with a ``DeprecationWarning`` naming the replacement,
-  and they will be removed after 1.0 (see CHANGELOG.md).
+    alpha: weight of the surrogate-gap term, >= 0 (0 is SAM).
+    minimize_fp: the decomposition branch of the maths above.
+    **options: the keywords gsam and sam share: ``eps`` (> 0, guards every
+      division), ``sync_perturbation``, ``axis_name``, ``check_axis``,
+      ``policy``, ``on_nonfinite``, ``diagnostics``, ``ascent``,
+      ``ascent_steps``, ``mask``, ``frozen``, ``microbatches`` and
+      ``perturb_each_microbatch`` (docs/options.md, "Every argument").
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` with state :class:`GSAMState`.
@@ -426,7 +272,14 @@ def sam(
   The output is the gradient at the perturbed weights; the optimizer chained
   after it applies it to the unperturbed weights. ``ascent=adaptive_ascent("asam")``
   gives ASAM; ``policy=every_k_policy(k)`` gives LookSAM. Arguments and the ``update``
-  protocol are those of :func:`gsam`.
+  protocol are those of :func:`gsam` (docs/options.md).
+
+  Args:
+    rho: the perturbation radius, a float >= 0 or any ``optax.Schedule``.
+    **options: the keywords of :func:`gsam`.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` with state :class:`GSAMState`.
 
   Example:
     >>> import jax, jax.numpy as jnp, optax, optax_gsam
