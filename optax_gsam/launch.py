@@ -6,7 +6,7 @@ each with its own CPU devices, exchange data through gloo collectives. This
 launcher starts them::
 
     python -m optax_gsam.launch --local-processes 2 --devices-per-process 4 -- \\
-      benchmarks/pod_launch.py --multihost --global-batch 16 --steps 3
+      python -m benchmarks.costs.pod_launch --multihost --global-batch 16 --steps 3
 
 A command whose first word ends in ``.py`` runs with this Python interpreter.
 Process ``i`` gets the environment of the launcher plus:
@@ -483,7 +483,9 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   if args.command[:1] == ["--"]:
     args.command = args.command[1:]
   if not args.command:
-    parser.error("give the command after --, e.g. -- benchmarks/pod_launch.py --multihost")
+    parser.error(
+      "give the command after --, e.g. -- python -m benchmarks.costs.pod_launch --multihost"
+    )
   return args
 
 

@@ -20,11 +20,11 @@ FLOORS = {
   "directions": 1,
   "parallel": 1,
   "gradient_cache": 1,
-  "trajectory": 1,
   "policies": 2,
   "microbatches": 2,
   "fine_tuning": 2,
   "measures": 2,
+  "trajectory": 2,
   "step": 3,
   "transforms": 4,
 }

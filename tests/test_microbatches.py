@@ -360,7 +360,7 @@ def test_a_gradient_cache_per_microbatch_is_the_dense_micro_batched_step():
 
 
 def test_the_clean_passs_mean_is_behind_a_barrier_when_lowered_for_tpu_only():
-  """TPU's compiler otherwise folds the mean into late readers (benchmarks/tpu_compile.py);
+  """TPU's compiler otherwise folds the mean into late readers (benchmarks/compiled/tpu_compile.py);
   the CPU's one barrier orders the output's finiteness check (the next test). The TPU's barrier
   is the one every full step passes (tests/test_tpu_sharded.py measures it)."""
   params, x, t = make_data(16)

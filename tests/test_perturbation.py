@@ -1,6 +1,5 @@
 """The pure maths: perturbation forms, decomposition and overflow-safe reductions."""
 
-import compile_time  # benchmarks/ (pyproject.toml's pythonpath): the one HLO instruction count
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,6 +7,8 @@ import pytest
 
 import optax_gsam
 from optax_gsam._src.directions import perturbation as perturbation_src
+
+from benchmarks.costs import compile_time  # the one HLO instruction count
 
 
 def _tree(rng, scale=1.0, dtype=np.float64):

@@ -154,7 +154,7 @@ def test_what_a_full_step_learns_is_kept_only_from_a_finite_step_that_did_not_fa
 
 
 def test_the_clean_pass_ends_behind_a_tpu_barrier_except_per_device_whole_batch():
-  """The barrier is measured on the TPU compiler (benchmarks/tpu_sharded.py, tpu_compile.py):
+  """The barrier is measured on the TPU compiler (benchmarks/compiled/sharded.py, tpu_compile.py):
   it cuts GSAM's FSDP peak by 9 parameter shards, but costs the per-device ViT 0.19 GiB in bf16;
   with micro-batches it helps per device too. The CPU's one barrier is another: the output's
   finiteness check (tests/test_microbatches.py)."""

@@ -445,3 +445,33 @@ def test_out_of_range_ids_under_jit_are_masked_and_dropped():
   assert store.recorded_epoch[:, 0].tolist() == [never, 0, never, never]
   _, valid = jax.jit(optax_gsam.saf_targets)(store, ids, 1)
   assert valid.tolist() == [True, False, False]
+
+
+@pytest.mark.parametrize(
+  "make",
+  [
+    lambda: optax.chain(optax_gsam.mesa_ema(0.9), optax.sgd(0.1)),
+    lambda: optax.chain(optax.chain(optax.sgd(0.1), optax_gsam.mesa_ema(0.9)), optax.scale(0.5)),
+    lambda: optax.named_chain(("ema", optax_gsam.mesa_ema(0.9)), ("sgd", optax.sgd(0.1))),
+  ],
+  ids=["before-the-optimizer", "last-of-an-inner-chain", "named-chain"],
+)
+def test_mesa_ema_before_a_stage_that_changes_the_updates_is_refused(make):
+  tx, w = make(), jnp.ones(2)
+  with pytest.raises(
+    ValueError, match=r"mesa_ema is not the last transformation.*after the optimizer"
+  ):
+    tx.update(jnp.ones(2), tx.init(w), w)
+
+
+def test_mesa_ema_before_identity_or_a_passthrough_is_accepted():
+  tx = optax.chain(
+    optax.sgd(0.5),
+    optax_gsam.mesa_ema(0.5),
+    optax.identity(),
+    optax_gsam.passthrough(optax.identity()),
+  )
+  w = jnp.array([1.0])
+  updates, state = tx.update(jnp.array([2.0]), tx.init(w), w)
+  assert float(updates[0]) == -1.0  # 0.5 * 1 + 0.5 * (1 - 0.5 * 2)
+  assert float(optax.tree.get(state, "ema_params")[0]) == 0.5

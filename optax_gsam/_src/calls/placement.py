@@ -239,6 +239,21 @@ def check_placement(name: str) -> None:
     frame = frame.f_back
 
 
+def check_last_in_chain(name: str, fix: str) -> None:
+  """Raises a ValueError where ``name``'s update runs before a stage that may change the updates.
+
+  A transform that reads ``params + updates`` as the new weights (an average of the weights,
+  say) is right only where nothing after it changes the updates; ``optax.identity()`` and
+  :func:`passthrough` stages after it are allowed. Nested chains are checked at every level.
+  """
+  frame: types.FrameType | None = sys._getframe(1)
+  while frame is not None:
+    later = later_stages(frame)
+    if later and not all(_leaves_gradient_unchanged(fn) for fn in later):
+      raise ValueError(f"{name} is not the last transformation of its optax.chain. " + fix)
+    frame = frame.f_back
+
+
 def optax_frame_on_stack(qualname: str) -> bool:
   """Whether a function of optax with this ``__qualname__`` is on the call stack."""
   frame: types.FrameType | None = sys._getframe(1)

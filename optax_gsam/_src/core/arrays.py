@@ -181,7 +181,7 @@ def materialized_on_tpu(tree: Any) -> Any:
   For :func:`optax_gsam._src.step.step.replicated_update`, whose perturbed pass must not overlap the
   clean one: the clean gradient, its loss and the params pass the barrier together, so the TPU compiler finishes the clean pass, reductions and losses
   included, before it forms the perturbed weights. Without it, on an FSDP decoder (1.04B
-  parameters on a v4-64, benchmarks/tpu_sharded.py) the compiler deferred the clean loss's last
+  parameters on a v4-64, benchmarks/compiled/sharded.py) the compiler deferred the clean loss's last
   reduction past the perturbed pass and held the clean logits and the whole embedding and head
   gradients through it (GSAM +13.8 parameter shards over AdamW; +4.4 with the barrier); with
   micro-batches it folded the clean mean's division into each late reader and held two

@@ -87,7 +87,7 @@ def _scale(tree: optax.Params) -> _Scale:
   frexp's. The leaves' figures are combined by a sort, not a max: XLA's CPU compiler unrolls a
   max over stacked scalars into a chain of maxima and copies that chain, and whatever scalar
   work follows it, into every fusion that scales a leaf, which grows the program with the square
-  of the number of leaves (benchmarks/compile_time.py). A sort is never copied into its
+  of the number of leaves (benchmarks/costs/compile_time.py). A sort is never copied into its
   consumers, and it carries the scales ready-made, so that each fusion only reads one.
   """
   maxima = [jnp.max(jnp.abs(p)) for x in jax.tree.leaves(tree) if x.size for p in _real_parts(x)]

@@ -8,7 +8,7 @@ then copies that constant for the second pass before the first pass writes over 
 copies in one fused kernel), so the second pass's buffers are live through the first: one more
 copy of the saved activations, and of the stacked weight gradients, per step. On a ViT-L/16
 over 8 H100s (FSDP, 128 images per GPU) that is 2.6 GiB per GPU, for optax.contrib.sam and a
-formula-written SAM alike (``benchmarks/tpu_sharded.py --topology 8xh100 --model vit``).
+formula-written SAM alike (``python -m benchmarks.compiled.sharded --topology 8xh100 --model vit``).
 
 A branch of a conditional is a computation of its own, whose constants stay its own. On the
 platforms of :data:`ISOLATED_PLATFORMS` the perturbed pass runs as the taken branch of a

@@ -10,11 +10,19 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from optax_gsam._src.calls.placement import check_last_in_chain
 from optax_gsam._src.core.arrays import compute_dtype
 from optax_gsam._src.core.validation import check_unit_interval
 
 # The EMA decay of the authors' released MESA script (timm's model EMA default).
 DEFAULT_DECAY = 0.9998
+
+LAST_FIX = (
+  "It averages params + updates, the new weights, so a stage after it would change the "
+  "updates after the average read them, and the teacher would drift from the weights "
+  "trained. Put it after the optimizer: optax.chain(optax.adamw(1e-3), "
+  "optax_gsam.mesa_ema(0.9998)) (docs/trajectory.md)."
+)
 
 
 class MESAState(NamedTuple):
@@ -95,6 +103,7 @@ def mesa_ema(decay: float = DEFAULT_DECAY) -> optax.GradientTransformation:
         "mesa_ema needs params: call tx.update(grads, opt_state, params), with mesa_ema last "
         "in the chain so that params + updates are the new weights."
       )
+    check_last_in_chain("mesa_ema", LAST_FIX)
     new_params = optax.apply_updates(params, updates)
     ema = optax.incremental_update(new_params, state.ema_params, 1 - jnp.asarray(decay))
     ema = optax.tree.cast_like(ema, state.ema_params)
