@@ -489,7 +489,12 @@ def _lora_step_peak(first):
       optimizer.update(model, grads, loss_fn=perturbed, value=loss)
     return nnx.state((model, optimizer))
 
-  x, y = jnp.ones((64, 512)), jnp.arange(64) % 1024
+  # Four examples: the activations then weigh less than the adapters (112 KiB), so one more
+  # adapter-sized buffer shows (at 64 examples an activation-sized buffer that AdamW's step
+  # holds and sam's frees sooner hides it). At one example AdamW's step never materializes
+  # its gradient (its weight gradients fuse into the moment updates) while sam's needs the
+  # clean and the perturbed one: 2.8 adapter-sized buffers over AdamW there.
+  x, y = jnp.ones((4, 512)), jnp.arange(4) % 1024
   memory = jax.jit(step, donate_argnums=0).lower(state, x, y).compile().memory_analysis()
   peak = memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes
   trained = sum(v.size * v.dtype.itemsize for v in jax.tree.leaves(nnx.state(model, nnx.LoRAParam)))
@@ -508,4 +513,5 @@ def test_lora_adapters_cost_at_most_the_trained_leaves_buffers_the_maths_needs()
       ("sam diagnostics=False", optax_gsam.sam(0.05, diagnostics=False)),
     ]
   }
+  # Measured: sam 1.86, gsam 1.87, sam diagnostics=False 0.58.
   assert over["sam"] <= 2 and over["gsam"] <= 2 and over["sam diagnostics=False"] <= 1, over
