@@ -58,8 +58,8 @@ class HParams:
 
   Attributes:
     lr: the peak learning rate.
-    rho: the perturbation radius (for a rho schedule, its peak).
-    alpha: GSAM's surrogate-gap weight.
+    rho: the perturbation radius (for a rho schedule, its peak); SAF's and MESA's lambda.
+    alpha: GSAM's surrogate-gap weight; MESA's EMA decay.
     num_steps: the steps of the run.
     key: a PRNG key for a policy that draws.
     unit_lr: the learning-rate schedule divided by its peak (``None``: constant).
@@ -74,6 +74,29 @@ class HParams:
 
 
 Protocol = Literal["loss_fn", "grad_fn", "no_clean", "plain"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Trajectory:
+  """SAF's or MESA's trajectory term (docs/trajectory.md), added to the loss of a plain step.
+
+  Its weight lambda is the run's ``rho``; MESA's EMA decay is its ``alpha`` (in the
+  contender's ``make``). The rest is static.
+
+  Attributes:
+    kind: ``"saf"`` (a store of each example's logits, recorded ``lag_epochs`` epochs before,
+      carried through the training scan and indexed by the batch's example ids) or
+      ``"mesa"`` (the logits of the EMA weights: one extra forward pass a step).
+    lag_epochs: SAF's Ẽ, static (the store's shape).
+    start: E_start as a fraction of the epochs: the term applies from epoch
+      ``int(start * epochs)`` on.
+    temperature: tau (the authors: 5, untuned).
+  """
+
+  kind: Literal["saf", "mesa"]
+  lag_epochs: int = 3
+  start: float = 0.1
+  temperature: float = 5.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +115,10 @@ class Contender:
     requires: names ``optax_gsam`` must export; without them the contender is left out.
     cheap_policy: whether it is a cheap-step policy (pareto.py's target (a)).
     evaluations: gradient evaluations of a full step (a cheap or base step takes one).
+    forwards: extra forward passes a step (MESA's one); pareto.py counts each at its
+      FLOPs' share of a gradient evaluation.
+    trajectory: SAF's or MESA's term (``protocol="plain"``): its step also takes the
+      batch's example ids and the epoch (:func:`trajectory_step`).
   """
 
   make: Callable[[optax.GradientTransformation, HParams], optax.GradientTransformation]
@@ -101,6 +128,8 @@ class Contender:
   requires: tuple[str, ...] = ()
   cheap_policy: bool = False
   evaluations: int = 2
+  forwards: int = 0
+  trajectory: Trajectory | None = None
 
 
 def before_base(transform: Callable[[HParams], optax.GradientTransformation]) -> Callable:
@@ -126,6 +155,33 @@ CONTENDERS: dict[str, Contender] = {
   "sam": Contender(before_base(lambda hp: optax_gsam.sam(hp.rho)), "sam"),
   "gsam": Contender(before_base(lambda hp: optax_gsam.gsam(hp.rho, hp.alpha)), "gsam"),
   "gsam-lr": Contender(before_base(lambda hp: optax_gsam.gsam(paper_rho(hp), hp.alpha)), "gsam-lr"),
+}
+
+
+def _trajectory_contender(trajectory: Trajectory) -> Contender:
+  """SAF or MESA on the base optimizer (MESA's EMA chained last), at the tuned values of its kind."""
+  if trajectory.kind == "mesa":
+    make = lambda base, hp: optax.chain(base, optax_gsam.mesa_ema(hp.alpha))
+  else:
+    make = lambda base, hp: base
+  mesa = trajectory.kind == "mesa"
+  return Contender(
+    make,
+    trajectory.kind,
+    "plain",
+    (None,),  # timed as one step; base_steps: one gradient evaluation (+ MESA's forward)
+    requires=("mesa_ema",) if mesa else ("saf_store",),
+    cheap_policy=True,
+    evaluations=1,
+    forwards=int(mesa),
+    trajectory=trajectory,
+  )
+
+
+# SAF and MESA (Du et al., 2022): the scripts add them to their own tables.
+TRAJECTORY_CONTENDERS: dict[str, Contender] = {
+  "saf": _trajectory_contender(Trajectory("saf")),
+  "mesa": _trajectory_contender(Trajectory("mesa")),
 }
 
 
@@ -185,6 +241,51 @@ def train_step(
     return optax.apply_updates(params, updates), opt_state, loss
 
   return step
+
+
+def trajectory_step(
+  model: nn.Module,
+  tx: optax.GradientTransformation,
+  trajectory: Trajectory,
+  weight: Any,
+  start_epoch: Any,
+) -> Callable:
+  """``(params, opt_state, store, x, y, ids, epoch) -> (params, opt_state, store, loss)``.
+
+  The loss returned is the cross-entropy alone. SAF reads the batch's targets from ``store``
+  (an ``optax_gsam.SAFStore``) and records the step's logits in it; MESA reads the EMA weights
+  from ``opt_state`` (``store`` is ``()``, passed through) and adds one forward pass at them.
+  """
+
+  def step(params, opt_state, store, x, y, ids, epoch):
+    if trajectory.kind == "saf":
+      targets, valid = optax_gsam.saf_targets(store, ids, epoch, start_epoch=start_epoch)
+    else:
+      ema = optax.tree.get(opt_state, "ema_params")
+      targets, valid = optax_gsam.mesa_targets(model.apply, ema, x), epoch >= start_epoch
+
+    def loss_fn(p):
+      logits = model.apply(p, x)
+      ce = cross_entropy(logits, y)
+      term = optax_gsam.trajectory_loss(
+        logits, targets, temperature=trajectory.temperature, weight=weight, where=valid
+      )
+      return ce + term, (ce, logits)
+
+    (_, (loss, logits)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    if trajectory.kind == "saf":
+      store = optax_gsam.saf_record(store, ids, logits, epoch)
+    return optax.apply_updates(params, updates), opt_state, store, loss
+
+  return step
+
+
+def trajectory_store(trajectory: Trajectory, num_examples: int, num_classes: int) -> Any:
+  """SAF's empty store of past logits; ``()`` for MESA, which keeps its EMA in ``opt_state``."""
+  if trajectory.kind != "saf":
+    return ()
+  return optax_gsam.saf_store(num_examples, num_classes, lag_epochs=trajectory.lag_epochs)
 
 
 # ----------------------------------------------------------------------------- training
@@ -248,8 +349,14 @@ def _noise_fitted(model, params, train_set, y_clean) -> jax.Array:
   return jnp.sum(fitted & corrupted) / jnp.maximum(jnp.sum(corrupted), 1)
 
 
-def _epoch(step: Callable, train_set, batch: int, evaluate, tracked) -> Callable:
-  """One epoch for ``lax.scan``: shuffled batches through ``step``, then the curves' points."""
+def _epoch(
+  step: Callable, train_set, batch: int, evaluate, tracked, *, ids: bool = False
+) -> Callable:
+  """One epoch for ``lax.scan``: shuffled batches through ``step``, then the curves' points.
+
+  With ``ids`` (SAF, MESA), ``step`` also takes the batch's example ids (its indices into the
+  training set, the same in every epoch) and the epoch, and its carry the store (``carry[2]``).
+  """
   x_train, y_train = train_set
   n = len(x_train)
   steps_per_epoch = n // batch
@@ -258,10 +365,15 @@ def _epoch(step: Callable, train_set, batch: int, evaluate, tracked) -> Callable
     params, opt_state, loss = step(*carry, x_train[idx], y_train[idx])
     return (params, opt_state), loss
 
+  def batch_step_with_ids(index, carry, idx):
+    params, opt_state, store, loss = step(*carry, x_train[idx], y_train[idx], idx, index)
+    return (params, opt_state, store), loss
+
   def epoch(carry, inputs):
     epoch_key, index = inputs
     order = jax.random.permutation(epoch_key, n)[: steps_per_epoch * batch]
-    carry, losses = jax.lax.scan(batch_step, carry, order.reshape(steps_per_epoch, batch))
+    body = functools.partial(batch_step_with_ids, index) if ids else batch_step
+    carry, losses = jax.lax.scan(body, carry, order.reshape(steps_per_epoch, batch))
     out = evaluate(carry[0], losses) if evaluate is not None else ()
     return carry, (out, tracked(carry[0], index) if tracked is not None else {})
 
@@ -288,6 +400,8 @@ def make_train(
   ``track`` (same arguments, a dict of scalars) is measured after every
   ``track_every``-th epoch, under a ``lax.cond`` (its predicate is not batched, so the
   other epochs skip it), into ``<name>_track`` curves with NaN at the epochs skipped.
+  A contender with a ``trajectory`` (SAF, MESA) carries its store (per run) through the scan
+  beside params and optimizer state, and its steps read the batch's example ids.
   """
   model, n, batch = task.model, len(x_train), task.batch_size
   steps_per_epoch = n // batch
@@ -301,19 +415,26 @@ def make_train(
     base = base_optimizer(lambda count: lr * unit_lr(count), task.base)
     init_key, data_key, extra_key = jax.random.split(key, 3)
     tx = contender.make(base, HParams(lr, rho, alpha, num_steps, extra_key, unit_lr))
-    step = train_step(model, tx, contender)
+    trajectory = contender.trajectory
+    if trajectory is None:
+      step = train_step(model, tx, contender)
+    else:  # lambda is the run's rho
+      step = trajectory_step(model, tx, trajectory, rho, int(trajectory.start * task.epochs))
     accuracy = lambda p: jnp.mean(jnp.argmax(model.apply(p, x_eval), axis=-1) == y_eval)
     batch_loss = lambda p, xy: cross_entropy(model.apply(p, xy[0]), xy[1])
     train_set = (x_train, y_train)
     full_loss = lambda p: batch_loss(p, train_set)
     tracked = _tracked(track, batch_loss, extra_key, train_set, track_every)
     evaluate = (lambda p, losses: (losses.mean(), accuracy(p))) if curves else None
-    epoch = _epoch(step, train_set, batch, evaluate, tracked)
+    epoch = _epoch(step, train_set, batch, evaluate, tracked, ids=trajectory is not None)
     params = model.init(init_key, x_train[:1])
     epochs = (jax.random.split(data_key, task.epochs), jnp.arange(task.epochs))
-    (params, opt_state), (curve, track_curves) = jax.lax.scan(
-      epoch, (params, tx.init(params)), epochs
-    )
+    carry = (params, tx.init(params))
+    if trajectory is not None:
+      classes = jax.eval_shape(model.apply, params, x_train[:1]).shape[-1]
+      carry += (trajectory_store(trajectory, n, classes),)
+    carry, (curve, track_curves) = jax.lax.scan(epoch, carry, epochs)
+    params, opt_state = carry[:2]
     out = {
       "accuracy": accuracy(params),
       "train_loss": full_loss(params),
@@ -489,6 +610,29 @@ def _advance(compiled: Callable, x: jax.Array, y: jax.Array, state: tuple) -> tu
   return compiled(state[0], state[1], x, y)
 
 
+def _timed_trajectory(model, tx, trajectory: Trajectory, params, opt_state, x) -> tuple:
+  """SAF's or MESA's step as ``(params, state, x, y) -> (params, state, loss)`` for timing.
+
+  ``state`` holds the optimizer state, the store (examples: the batch), the ids and the
+  epoch, all traced as in training; the epoch (past ``start``) keeps the term on.
+  """
+  classes = jax.eval_shape(model.apply, params, x[:1]).shape[-1]
+  store = trajectory_store(trajectory, len(x), classes)
+  ids = jnp.arange(len(x), dtype=jnp.int32)
+  state = (opt_state, store, ids, jnp.asarray(trajectory.lag_epochs, jnp.int32))
+  inner = trajectory_step(model, tx, trajectory, 0.3, 0)
+
+  def make_step(branch):
+    def step(params, state, x, y):
+      opt_state, store, ids, epoch = state
+      params, opt_state, store, loss = inner(params, opt_state, store, x, y, ids, epoch)
+      return params, (opt_state, store, ids, epoch), loss
+
+    return step
+
+  return make_step, state
+
+
 def compile_step(
   model: nn.Module,
   tx: optax.GradientTransformation,
@@ -511,12 +655,13 @@ def compile_step(
   branches = [True] + [False] * (static_every - 1) if static_every else [perturb]
   params = jax.tree.map(jnp.copy, params)
   opt_state = tx.init(params)
+  make_step = functools.partial(train_step, model, tx, contender)
+  if contender.trajectory is not None:
+    make_step, opt_state = _timed_trajectory(model, tx, contender.trajectory, params, opt_state, x)
   start = time.perf_counter()
   compiled = {}
   for branch in dict.fromkeys(branches):
-    step = jax.jit(
-      train_step(model, tx, contender, branch), donate_argnums=(0, 1) if donate else ()
-    )
+    step = jax.jit(make_step(branch), donate_argnums=(0, 1) if donate else ())
     compiled[branch] = step.lower(params, opt_state, x, y).compile(compiler_options)
   compile_s = time.perf_counter() - start
   per_branch = {branch: hlo_stats(c) for branch, c in compiled.items()}

@@ -146,6 +146,26 @@ def test_pareto_joint_tuning_smoke(tmp_path):
   assert saved["targets"][-1]["target"].startswith("(e)")
 
 
+def test_pareto_trajectory_smoke(tmp_path):
+  """SAF and MESA under --joint: ids, SAF's store and MESA's EMA through the vmapped scan."""
+  argv = ["--quick", "--joint", "--noise", "0.2", "--tune-seeds", "1", "--seeds", "1"]
+  argv += ["--epochs", "4", "--contenders", "base", "saf", "mesa", "--no-vit", "--rounds", "1"]
+  pareto.main([*argv, "--out-dir", str(tmp_path), "--no-plot"])  # 4 epochs: SAF's lag 3 passes
+  saved = json.loads((tmp_path / "pareto_quick_joint.json").read_text())
+  sweep = saved["tuning"]["sweep"]["mnist1d-ln"]
+  assert {len(sweep[key]) for key in ("base", "saf", "mesa")} == {9}  # the same budget
+  assert {p["rho"] for p in sweep["saf"]} == set(pareto.TRAJECTORY_GRIDS["saf"][0])  # lambda
+  assert {p["alpha"] for p in sweep["mesa"]} == set(pareto.TRAJECTORY_GRIDS["mesa"][1])  # decay
+  rows = {r["contender"]: r for r in saved["rows"]}
+  assert rows["saf"]["base_steps"] == 1.0  # no extra pass
+  assert 1.1 < rows["mesa"]["base_steps"] < 1.6  # one forward pass, by its FLOPs
+  assert 1.1 < rows["mesa"]["flops_cost"] < 1.6 and rows["saf"]["flops_cost"] < 1.05
+  for row in rows.values():
+    assert 0.0 <= row["acc_mean"] <= 1.0 and math.isfinite(row["train_loss_mean"])
+  with pytest.raises(SystemExit, match="No tuned values"):
+    pareto.main([*argv, "--no-tune", "--out-dir", str(tmp_path), "--no-plot"])
+
+
 def test_pareto_gain_share_target():
   row = lambda name, acc, std, steps: {
     "base_optimizer": "sgd",

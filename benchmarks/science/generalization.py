@@ -42,6 +42,7 @@ from benchmarks import harness
 from benchmarks.harness import Contender
 from benchmarks.harness import before_base
 from benchmarks.models import NormMLP
+from benchmarks.science.pareto_contenders import TRAJECTORY_GRIDS
 
 TASK = harness.Task("digits", demo.MLP(), demo.load_digits, (0.0, 0.2, 0.4), 64, 60)
 NORM_TASK = dataclasses.replace(TASK, name="digits-ln", model=NormMLP())  # --norm
@@ -86,10 +87,14 @@ CONTENDERS: dict[str, Contender] = {
   "sam-on": Contender(
     before_base(lambda hp: optax_gsam.sam(hp.rho, mask=harness.norm_layers)), "sam-on"
   ),
+  # SAF and MESA (the rho slot is lambda, MESA's alpha its EMA decay): --contenders saf mesa.
+  **harness.TRAJECTORY_CONTENDERS,
 }
 # What --norm trains (NormMLP: the MLP with a LayerNorm per hidden layer), and the default run.
 NORM_CONTENDERS = ("base", "sam", "sam-on")
-DEFAULT_CONTENDERS = tuple(name for name in CONTENDERS if name != "sam-on")
+DEFAULT_CONTENDERS = tuple(
+  name for name in CONTENDERS if name != "sam-on" and name not in harness.TRAJECTORY_CONTENDERS
+)
 # The validation sweep (--tune): the base lr, then each key's rho and alpha grids at that lr.
 TUNE_NOISE, TUNE_EPOCHS, TUNE_SEEDS = 0.2, 40, 4
 LR_GRID = (1e-3, 2e-3, 5e-3)
@@ -102,6 +107,7 @@ GRIDS = {
   "friendly-sam": (RHO_GRID, (0.0,)),
   "vasso": (RHO_GRID, (0.0,)),
   "sam 2-step": (RHO_GRID, (0.0,)),
+  **TRAJECTORY_GRIDS,  # pareto.py's: SAF's lambda, MESA's decay
 }
 # --norm's sweep tunes each key's learning rate and rho together (harness.tune(joint=True)), 4 x 4
 # points, the base 16 learning rates: tuning the base's rate first, then rho at it, left every
@@ -120,6 +126,10 @@ DEFAULTS: dict[str, dict[str, float]] = {
   "friendly-sam": {"lr": 1e-3, "rho": 0.4, "alpha": 0.0},
   "vasso": {"lr": 1e-3, "rho": 0.4, "alpha": 0.0},
   "sam 2-step": {"lr": 1e-3, "rho": 0.4, "alpha": 0.0},
+  # Not tuned: the authors' lambda at the base's rate, MESA's decay over ~100 steps (4.5 epochs);
+  # --tune --contenders saf mesa sweeps TRAJECTORY_GRIDS.
+  "saf": {"lr": 1e-3, "rho": 0.3, "alpha": 0.0},
+  "mesa": {"lr": 1e-3, "rho": 0.8, "alpha": 0.99},
 }
 # --norm: chosen with --tune --norm (generalization_tune_ln.json; the base's rate is the grid's
 # lowest, tied with the next two at 76.22% validation accuracy).

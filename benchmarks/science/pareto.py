@@ -12,7 +12,9 @@ With ``--joint`` every contender's learning rate is tuned together with its rho
 (3 x 3 points; the base gets 9 learning rates over the same range), on MNIST-1D
 with LayerNorms (``mnist1d-ln``), for the directions (Friendly-SAM, VaSSO, 2-step,
 SAM-ON) and the policies; it reports the share of SAM's gain over the base that
-each contender keeps. ``--base sgd`` swaps AdamW for SGD with momentum.
+each contender keeps. ``--base sgd`` swaps AdamW for SGD with momentum. SAF and
+MESA (``--contenders ... saf mesa``) tune their own knob with the learning rate
+(``TRAJECTORY_GRIDS``, 3 x 3 too); they always tune (no defaults yet).
 
     python -m benchmarks.science.pareto                     # full: tuning, 5 seeds (~60 min, 2 cores)
     python -m benchmarks.science.pareto --quick             # smoke run: small MNIST-1D, 2 epochs, DEFAULTS
@@ -45,6 +47,7 @@ from benchmarks.science.pareto_contenders import JOINT_DEFAULTS
 from benchmarks.science.pareto_contenders import JOINT_LR_GRIDS
 from benchmarks.science.pareto_contenders import LR_GRIDS
 from benchmarks.science.pareto_contenders import QUICK_COMPILER_OPTIONS
+from benchmarks.science.pareto_contenders import TRAJECTORY_GRIDS
 from benchmarks.science.pareto_contenders import TUNE_SEEDS
 from benchmarks.science.pareto_contenders import TUNED_WITH
 from benchmarks.science.pareto_contenders import grids
@@ -65,6 +68,7 @@ __all__ = [
   "CONTENDERS",
   "DEFAULTS",
   "JOINT_CONTENDERS",
+  "TRAJECTORY_GRIDS",
   "TUNED_WITH",
   "check_gain_shares",
   "gain_shares",
@@ -90,7 +94,11 @@ def branch_costs(
   base_kind: str = "adamw",
   **timing,
 ) -> dict[str, dict[str, float]]:
-  """Per ``"contender/branch"``: its static step's median ratio to the base step (and ms, flops)."""
+  """Per ``"contender/branch"``: its static step's median ratio to the base step (and ms, flops).
+
+  Where a contender takes extra forward passes (MESA), also ``"forward"``: a forward pass's
+  FLOPs as a share of a gradient evaluation's, from XLA's cost analysis of the two compiled.
+  """
   options = timing.pop("compiler_options", None)
   params = model.init(jax.random.key(0), x[:1])
   base = harness.base_optimizer(kind=base_kind)
@@ -105,7 +113,20 @@ def branch_costs(
     for branch in contender.branches:
       perturb = None if branch is None else branch == "full"
       timed[f"{name}/{branch}"] = compile_(tx=tx, contender=contender, perturb=perturb)
-  return harness.interleaved(timed, "base", paired=True, **timing)
+  costs = harness.interleaved(timed, "base", paired=True, **timing)
+  if any(c.forwards for c in contenders.values()):
+    costs["forward"] = forward_share(model, params, x, y, options)
+  return costs
+
+
+def forward_share(model, params, x, y, compiler_options=None) -> dict[str, float]:
+  """A forward pass's FLOPs over a gradient evaluation's (loss and gradient), compiled by XLA."""
+  loss_fn = lambda p: harness.cross_entropy(model.apply(p, x), y)
+  flops = {
+    name: harness.hlo_stats(jax.jit(fn).lower(params).compile(compiler_options))["flops"]
+    for name, fn in (("forward", lambda p: model.apply(p, x)), ("gradient", jax.grad(loss_fn)))
+  }
+  return {**flops, "share": flops["forward"] / flops["gradient"]}
 
 
 def step_cost_of(
@@ -114,17 +135,21 @@ def step_cost_of(
   """``(n_full t_full + n_cheap t_cheap) / (N t_base)``, in time, FLOPs and gradient evaluations.
 
   ``base_steps`` counts gradient evaluations per step against the base's one: a full step
-  takes ``contender.evaluations``, a cheap step one.
+  takes ``contender.evaluations``, a cheap step one; an extra forward pass (MESA's) counts as
+  its FLOPs' share of a gradient evaluation (``costs["forward"]``, :func:`forward_share`).
   """
   if not contender.branches:
     return {"step_cost": 1.0, "flops_cost": 1.0, "base_steps": 1.0}
   if contender.branches == (None,):
     only = costs[f"{name}/None"]
-    return {
+    out = {
       "step_cost": only["ratio"],
       "flops_cost": only["flops_ratio"],
       "base_steps": float(contender.evaluations),
     }
+    if contender.forwards:
+      out["base_steps"] += contender.forwards * costs["forward"]["share"]
+    return out
   full = costs[f"{name}/full"]
   cheap = costs.get(f"{name}/cheap", full)  # no cheap branch: every step is full
   weigh = lambda key: (n_full * full[key] + (n - n_full) * cheap[key]) / n
@@ -297,6 +322,9 @@ def choose(task, contenders, args, options) -> tuple[dict, dict | None]:
   """
   if not args.tune:
     defaults = JOINT_DEFAULTS[args.base] if args.joint else DEFAULTS[task.name]
+    untuned = sorted({c.hparams for c in contenders.values()} - set(defaults[task.noise_levels[0]]))
+    if untuned:
+      raise SystemExit(f"No tuned values for {untuned} in this mode: tune them (drop --no-tune).")
     return {n: defaults[n] for n in task.noise_levels}, None
   keys = {"base"} | {c.hparams for c in contenders.values()}
   tuning = {k: CONTENDERS[TUNED_WITH[k]] for k in TUNED_WITH if k in keys}

@@ -1,7 +1,7 @@
 """pareto.py's contenders, data sets, tuning grids and the tuned values its runs train with.
 
 ``CONTENDERS`` is the table of everything pareto.py can train: SAM and GSAM from the
-harness, the cheap-step policies, momentum-SAM and the ascent directions. ``DEFAULTS``
+harness, the cheap-step policies, momentum-SAM, the ascent directions, and SAF and MESA. ``DEFAULTS``
 and ``JOINT_DEFAULTS`` are what the last tuning runs chose (``--no-tune`` trains with
 them).
 """
@@ -36,6 +36,16 @@ GAIN_SHARE = 0.9  # target (e): the share of SAM's gain over the base kept
 # --quick compiles with LLVM's optimizations off: half the compile time, slower steps.
 QUICK_COMPILER_OPTIONS = {"xla_backend_optimization_level": 0}
 MSAM_RHO_GRID = (0.03, 0.1, 0.3, 1.0, 2.0)  # momentum-SAM's rho lives on its own scale
+# SAF and MESA (harness.Trajectory: tau = 5, SAF's lag 3 epochs, the term from 10% of the epochs
+# on, all static): the rho slot carries lambda, MESA's alpha slot its EMA decay. Three points
+# each, as every key's rho grid, so that --joint gives them the same 3 x 3 budget: SAF tunes
+# lambda around the authors' 0.3; MESA keeps their lambda 0.8 and tunes the decay, whose
+# ImageNet 0.9998 (a 5000-step horizon) would barely move in a 2000-step run: 0.99 averages
+# over 100 steps (2.5 epochs, SAF's lag), 0.999 over 1000.
+TRAJECTORY_GRIDS = {
+  "saf": ((0.1, 0.3, 1.0), (0.0,)),
+  "mesa": ((0.8,), (0.99, 0.995, 0.999)),
+}
 
 
 def tasks(mode: str, base: str = "adamw") -> dict[str, harness.Task]:
@@ -140,6 +150,8 @@ CONTENDERS: dict[str, Contender] = {
     rho=lambda hp: late_rho(hp.rho, hp.num_steps, start=0.95),
     key="late-5",
   ),
+  # SAF (1 base step) and MESA (one extra forward pass a step), at their own tuned values.
+  **harness.TRAJECTORY_CONTENDERS,
 }
 # --joint's contenders (on mnist1d-ln, whose LayerNorms SAM-ON perturbs); the rest of the
 # policies reuse SAM's tuned values, as in the default run.
@@ -159,11 +171,14 @@ JOINT_CONTENDERS = (
   "late-phase",
   "random",
 )
-# What the default run trains: every contender but the joint run's additions.
+# What the default run trains: every contender but the joint run's additions (and SAF and MESA,
+# which have no tuned values yet: --contenders saf mesa, tuning on).
 DEFAULT_CONTENDERS = tuple(
   name
   for name in CONTENDERS
-  if name not in {"friendly-sam", "vasso", "sam-2step", "sam-on", "every-20", "late-phase-5"}
+  if name
+  not in {"friendly-sam", "vasso", "sam-2step", "sam-on", "every-20", "late-phase-5"}
+  | set(harness.TRAJECTORY_CONTENDERS)
 )
 # The contender each hyperparameter key is tuned with, and its (rho, alpha) grids per data set.
 TUNED_WITH = {
@@ -178,6 +193,8 @@ TUNED_WITH = {
   "sam-on": "sam-on",
   "every-20": "every-20",
   "late-5": "late-phase-5",
+  "saf": "saf",
+  "mesa": "mesa",
 }
 
 
@@ -235,9 +252,14 @@ JOINT_DEFAULTS: dict[str, dict[float, dict[str, dict[str, float]]]] = {
 
 
 def joint_grids() -> dict[str, tuple[tuple[float, ...], tuple[float, ...]]]:
-  """Per key, the rho (and alpha) grid of --joint; the learning rate is JOINT_LR_GRIDS'."""
-  keyed = {k: JOINT_RHO_GRIDS.get(k, JOINT_RHO_GRIDS["sam"]) for k in TUNED_WITH if k != "base"}
-  return {k: (rho, (GSAM_ALPHA,) if k.startswith("gsam") else (0.0,)) for k, rho in keyed.items()}
+  """Per key, the rho (and alpha) grid of --joint; the learning rate is JOINT_LR_GRIDS'.
+
+  SAF's and MESA's are their knobs' (``TRAJECTORY_GRIDS``), as many points.
+  """
+  others = (k for k in TUNED_WITH if k != "base" and k not in TRAJECTORY_GRIDS)
+  keyed = {k: JOINT_RHO_GRIDS.get(k, JOINT_RHO_GRIDS["sam"]) for k in others}
+  alpha = lambda k: (GSAM_ALPHA,) if k.startswith("gsam") else (0.0,)
+  return {**{k: (rho, alpha(k)) for k, rho in keyed.items()}, **TRAJECTORY_GRIDS}
 
 
 def grids(dataset: str) -> dict[str, tuple[tuple[float, ...], tuple[float, ...]]]:
@@ -247,6 +269,7 @@ def grids(dataset: str) -> dict[str, tuple[tuple[float, ...], tuple[float, ...]]
     "gsam": (rho, (GSAM_ALPHA,)),
     "gsam-lr": (rho, (GSAM_ALPHA,)),
     "msam": (MSAM_RHO_GRID, (0.0,)),
+    **TRAJECTORY_GRIDS,
   }
 
 
