@@ -367,3 +367,18 @@ def test_gpu_runtime_smoke(tmp_path):
   assert set(rows) == {"adamw", "optax.contrib.sam", "gsam"}
   assert rows["adamw"]["time / adamw"] == 1.0 and rows["gsam"]["seconds_per_step"] > 0
   assert all(r["compiled"] > 0 for r in rows.values()) and out.is_file()
+
+
+def test_fsdp_x_tp_layout_puts_the_hidden_dimension_over_model_and_the_next_over_data():
+  from benchmarks.compiled import sharded_steps
+
+  devices = np.array(jax.devices()[:8]).reshape(2, 4)
+  mesh = jax.sharding.Mesh(devices, (sharded_steps.AXIS, sharded_steps.MODEL))
+  spec = lambda shape: tuple(sharded_steps.layout_spec(shape, mesh))
+  assert spec((24, 1024, 4096)) == (None, "data", "model")  # up: column-parallel
+  assert spec((24, 4096, 1024)) == (None, "model", "data")  # down: row-parallel
+  assert spec((24, 1024)) == ("data", "model")  # a vector per block, stacked
+  assert spec((1024,)) == ("data",)  # a vector: FSDP only
+  assert spec((7,)) == (None,)  # nothing divides it: replicated
+  flat = jax.sharding.Mesh(np.array(jax.devices()[:8]), (sharded_steps.AXIS,))
+  assert tuple(sharded_steps.layout_spec((24, 1024, 4096), flat)) == (None, None, "data")

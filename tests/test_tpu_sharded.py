@@ -93,7 +93,7 @@ FULL_STEPS = ("gsam", "sam", "sam diagnostics=False")
 def logits_decoder_peaks():
   tpu_sharded = _load("sharded_steps")  # the steps the harness compiles
   config = _load("decoder").DecoderConfig(**LOGITS_DECODER)
-  mesh = tpu_sharded.tpu_mesh("v4-64")
+  mesh = tpu_sharded.mesh_of("v4-64")
   peaks = {}
   for name in ["adamw", *FULL_STEPS]:
     row, _ = tpu_sharded.compile_row(mesh, config, "f32", name, per_core=4)
@@ -121,7 +121,7 @@ SMALL_MLP = {"width": 1024, "depth": 4}
 def test_fsdp_mlp_full_step_holds_no_whole_copy_of_the_params():
   tpu_sharded = _load("sharded_steps")  # the steps the harness compiles
   config = tpu_sharded.MLPConfig(**SMALL_MLP)  # the class sharded_steps.problem dispatches on
-  mesh = tpu_sharded.tpu_mesh("v4-64")
+  mesh = tpu_sharded.mesh_of("v4-64")
   peaks, whole = {}, None
   for name in ("adamw", "gsam", "sam"):
     row, _ = tpu_sharded.compile_row(mesh, config, "f32", name, per_core=64)

@@ -87,6 +87,7 @@ GPU_MODELS = {
   "FSDP ViT-L/16 scanned, 8 x H100, 128 images": ("gpu_sharded_vit.json", TPU_STEPS),
   "FSDP decoder 1.04B, 8 x H100": ("gpu_sharded.json", TPU_STEPS),
   "FSDP residual MLP 537M, 8 x H100": ("gpu_sharded_mlp.json", TPU_STEPS),
+  "FSDP x TP ViT-L/16 scanned, 2 x 4 H100s, 32 images": ("gpu_sharded_vit_tp4.json", TPU_STEPS),
 }
 
 

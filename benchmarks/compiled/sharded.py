@@ -214,6 +214,10 @@ def parse_args(argv):
     help="a TPU (v4-8, v4-64) or a GPU host (8xh100: 8 H100s, jax's CUDA plugin)",
   )  # fmt: skip
   parser.add_argument(
+    "--tp", type=int, default=1,
+    help="tensor-parallel devices: a data x model mesh (FSDP x TP; 4 on 8 devices is 2 x 4)",
+  )  # fmt: skip
+  parser.add_argument(
     "--per-core-batch", type=int, default=None, help="default: 4 sequences, or 64 rows (mlp)"
   )
   parser.add_argument("--depth", type=int, default=None, help="blocks (default: the config's)")
@@ -248,6 +252,7 @@ def parse_args(argv):
   args.contenders = args.contenders or list(MAIN_CONTENDERS if args.quick else FULL_ORDER)
   platform = platform_of(args.topology)
   stem = f"{platform}_sharded" + ("" if args.model == "decoder" else f"_{args.model}")
+  stem += f"_tp{args.tp}" if args.tp > 1 else ""
   stem += "_quick" if args.quick else ""
   stem += "_max_batch" if args.largest_batch else ""
   args.out = args.out or RESULTS / (stem + ".json")
@@ -356,7 +361,7 @@ def main(argv: list[str] | None = None) -> dict:
     return report(json.loads(args.out.read_text()), args.out)
   if args.dump:  # Read when the TPU backend starts, below.
     request_dumps(args.dump)
-  mesh = mesh_of(args.topology)
+  mesh = mesh_of(args.topology, tp=args.tp)
   platform = platform_of(args.topology)
   print(f"{args.topology}: {mesh.size} {platform.upper()} devices, {args.config}", flush=True)
   result = {
@@ -368,10 +373,16 @@ def main(argv: list[str] | None = None) -> dict:
       {"libtpu": libtpu_version()} if platform == "tpu" else {"cuda_plugin": cuda_plugin_version()}
     ),
     "topology": args.topology,
+    "tp": args.tp,
     "cores": mesh.size,
     "model": {"name": args.model, **dataclasses.asdict(args.config)},
     "per_core_batch": args.per_core_batch,
-    "layout": "FSDP: params, optimizer state and batch sharded over one 'data' axis (Auto)",
+    "layout": (
+      "FSDP: params, optimizer state and batch sharded over one 'data' axis (Auto)"
+      if args.tp == 1
+      else f"FSDP x TP: a data x model mesh {dict(mesh.shape)}; each weight's largest dimension "
+      "over 'model', the next over 'data'; the batch over 'data' (Auto)"
+    ),
     "precision": {"f32": "float32 throughout", "bf16": "float32 params, bfloat16 compute"},
     "hparams": {"rho": RHO, "alpha": ALPHA, "lr": LR, "weight_decay": WEIGHT_DECAY},
     "peak_formula": "argument + output - alias + temp + generated_code (bytes per core)",

@@ -1,8 +1,10 @@
 """What the sharded harness compiles: its contenders' steps, the meshes and the FSDP layout.
 
-``sharded.py`` (the command line, the report) compiles these: every contender's step over a 1-D
+``sharded.py`` (the command line, the report) compiles these: every contender's step over a
 ``data`` mesh of a described TPU topology (v4-8, v4-64) or GPU host (8xh100, jax's CUDA plugin),
-params, optimizer state and batch sharded by :func:`fsdp_spec` (FSDP), in Auto axes.
+params, optimizer state and batch sharded by :func:`fsdp_spec` (FSDP), in Auto axes; with
+``tp > 1`` a ``data x model`` mesh, each weight's largest dimension over ``model`` (tensor
+parallelism) and the next over ``data``.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from benchmarks.compiled.vit import ScannedViT
 from benchmarks.compiled.vit import ViTConfig
 
 AXIS = "data"
+MODEL = "model"  # the tensor-parallel axis of an FSDP x TP mesh
 DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16}
 # name -> (topology_name, TPU_ACCELERATOR_TYPE); "default" chips: one device per TensorCore.
 TOPOLOGIES = {"v4-8": ("v4:2x2x1", "v4-8"), "v4-64": ("v4:4x4x2", "v4-64")}
@@ -142,24 +145,30 @@ def _scanned_grad(loss_of, params, batch, num_microbatches: int):
 # ----------------------------------------------------------------------------- compiling
 
 
-def mesh_of(name: str, memory_bytes: int | None = None) -> jax.sharding.Mesh:
-  """A 1-D Auto ``data`` mesh over every device of a described TPU or GPU topology.
+def mesh_of(name: str, memory_bytes: int | None = None, tp: int = 1) -> jax.sharding.Mesh:
+  """An Auto mesh over every device of a described TPU or GPU topology: ``data`` alone, or
+  ``data x model`` with ``tp`` devices along ``model`` (FSDP x TP).
 
   ``memory_bytes`` replaces a GPU's memory in its target description (the batch search).
   """
   if name in GPU_TOPOLOGIES:
     target, gpus = GPU_TOPOLOGIES[name]
-    devices = gpu_target.gpu_devices(gpu_target.TARGETS[target], gpus, memory_bytes)
-    return jax.sharding.Mesh(np.array(devices), (AXIS,))
-  return tpu_mesh(name)
+    devices = np.array(gpu_target.gpu_devices(gpu_target.TARGETS[target], gpus, memory_bytes))
+  else:
+    devices = np.array(tpu_devices(name))
+  if tp == 1:
+    return jax.sharding.Mesh(devices, (AXIS,))
+  if devices.size % tp:
+    raise SystemExit(f"--tp {tp} does not divide the {devices.size} devices of {name}")
+  return jax.sharding.Mesh(devices.reshape(devices.size // tp, tp), (AXIS, MODEL))
 
 
 def platform_of(name: str) -> str:
   return "gpu" if name in GPU_TOPOLOGIES else "tpu"
 
 
-def tpu_mesh(name: str) -> jax.sharding.Mesh:
-  """A 1-D Auto ``data`` mesh over every TensorCore of a described TPU topology."""
+def tpu_devices(name: str) -> list:
+  """Every TensorCore of a described TPU topology, one device each."""
   from jax.experimental import topologies
 
   topology_name, accelerator = TOPOLOGIES[name]
@@ -171,7 +180,7 @@ def tpu_mesh(name: str) -> jax.sharding.Mesh:
     chips_per_host_bounds=(2, 2, 1),
   )
   # One device per TensorCore (64 on a v4-64), which jax.make_mesh refuses past v3.
-  return jax.sharding.Mesh(np.array(topology.devices), (AXIS,))
+  return list(topology.devices)
 
 
 def fsdp_spec(shape, n: int) -> P:
@@ -183,11 +192,31 @@ def fsdp_spec(shape, n: int) -> P:
   return P(*[AXIS if i == best else None for i in range(len(shape))])
 
 
+def layout_spec(shape, mesh: jax.sharding.Mesh) -> P:
+  """:func:`fsdp_spec` on a ``data`` mesh. On ``data x model``, a leaf of 2 or more dimensions
+  (a weight, or the scanned blocks' stacked vectors) puts its largest dimension that the model
+  axis divides over ``model`` (a feed-forward layer's hidden dimension: column-parallel going
+  up, row-parallel coming down) and the largest of the others that the data axis divides over
+  ``data``; a vector is sharded over ``data``. A generic layout, not a hand-tuned one: the
+  contenders share it, so their collectives compare."""
+  if MODEL not in mesh.axis_names:
+    return fsdp_spec(shape, mesh.size)
+  tp, dp = mesh.shape[MODEL], mesh.shape[AXIS]
+  axes: list[str | None] = [None] * len(shape)
+  model_dims = [i for i, d in enumerate(shape) if d % tp == 0] if len(shape) >= 2 else []
+  if model_dims:
+    axes[max(model_dims, key=lambda i: (shape[i], i))] = MODEL
+  data_dims = [i for i, d in enumerate(shape) if d % dp == 0 and axes[i] is None]
+  if data_dims:
+    axes[max(data_dims, key=lambda i: (shape[i], -i))] = AXIS
+  return P(*axes)
+
+
 def fsdp_specs(tree, mesh):
-  """``ShapeDtypeStruct``s of ``tree`` (shapes) laid out by :func:`fsdp_spec`."""
+  """``ShapeDtypeStruct``s of ``tree`` (shapes) laid out by :func:`layout_spec`."""
   return jax.tree.map(
     lambda s: jax.ShapeDtypeStruct(
-      s.shape, s.dtype, sharding=NamedSharding(mesh, fsdp_spec(s.shape, mesh.size))
+      s.shape, s.dtype, sharding=NamedSharding(mesh, layout_spec(s.shape, mesh))
     ),
     tree,
   )

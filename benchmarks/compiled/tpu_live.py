@@ -77,7 +77,7 @@ def compile_recorded(model: str, name: str, dtype: str, dump: str | None = None)
   config = {k: v for k, v in recorded["model"].items() if k != "name"}
   if model in (MODELS["decoder"], MODELS["mlp"]):
     kind = DecoderConfig if model == MODELS["decoder"] else MLPConfig
-    mesh = sharded_steps.tpu_mesh(recorded["topology"])
+    mesh = sharded_steps.mesh_of(recorded["topology"])
     row, compiled = sharded_steps.compile_row(
       mesh, kind(**config), dtype, name, recorded["per_core_batch"]
     )
