@@ -51,7 +51,7 @@ def zeros_accumulator(x: Any) -> jax.Array:
   return jnp.zeros_like(x, dtype=compute_dtype(x.dtype))
 
 
-def _explicit_sharding(x: Any) -> Any:
+def explicit_sharding(x: Any) -> Any:
   """The sharding of ``x`` where its mesh has explicit axes, else None (Auto, no mesh)."""
   sharding = getattr(jax.typeof(x), "sharding", None)
   axis_types = getattr(getattr(sharding, "mesh", None), "axis_types", ())
@@ -70,8 +70,8 @@ def same_layout(tree: Any, like: Any) -> Any:
   """
 
   def reshard(x: Any, reference: Any) -> Any:
-    target = _explicit_sharding(reference)
-    current = _explicit_sharding(x)
+    target = explicit_sharding(reference)
+    current = explicit_sharding(x)
     if target is None or current is None or current.spec == target.spec:
       return x
     return jax.sharding.reshard(x, target)
@@ -125,7 +125,7 @@ def _blocks_sharding(x: jax.Array, size: int) -> Any:
   are sharded as the rows of ``x`` were (each block spread over the devices,
   which then work on it in parallel), where the block size allows.
   """
-  sharding = _explicit_sharding(x)
+  sharding = explicit_sharding(x)
   if sharding is None:
     return None
   spec = _full_spec(sharding, x.ndim)
@@ -138,7 +138,7 @@ def _blocks_sharding(x: jax.Array, size: int) -> Any:
 
 def _merge_blocks(x: jax.Array) -> jax.Array:
   """``[blocks, size, ...]`` back to rows; under explicit axes, rows sharded as the blocks' rows."""
-  sharding = _explicit_sharding(x)
+  sharding = explicit_sharding(x)
   out = None
   if sharding is not None:
     spec = _full_spec(sharding, x.ndim)

@@ -9,7 +9,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from optax_gsam._src.core.arrays import _explicit_sharding
+from optax_gsam._src.core.arrays import explicit_sharding
 from optax_gsam._src.core.validation import check_positive_int
 
 # The recorded epoch of an entry never written. Not -1: at epoch Ẽ - 1 the target epoch is -1.
@@ -145,7 +145,7 @@ def _slot_rows(store: SAFStore, ids: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 def _gather(array: jax.Array, rows: jax.Array, slot: jax.Array) -> jax.Array:
   """``array[rows, slot]``, laid out as the ids are under explicit mesh axes (by example)."""
-  sharding = _explicit_sharding(rows)
+  sharding = explicit_sharding(rows)
   if sharding is None:
     return array[rows, slot]
   spec = jax.sharding.PartitionSpec(sharding.spec[0], *([None] * (array.ndim - 2)))
@@ -154,7 +154,7 @@ def _gather(array: jax.Array, rows: jax.Array, slot: jax.Array) -> jax.Array:
 
 def _scatter(array: jax.Array, rows: jax.Array, slot: jax.Array, values: jax.Array) -> jax.Array:
   """``array`` with ``array[rows, slot] = values`` (rows out of range dropped), in its layout."""
-  return array.at[rows, slot].set(values, mode="drop", out_sharding=_explicit_sharding(array))
+  return array.at[rows, slot].set(values, mode="drop", out_sharding=explicit_sharding(array))
 
 
 def saf_targets(
