@@ -475,3 +475,34 @@ def test_mesa_ema_before_identity_or_a_passthrough_is_accepted():
   updates, state = tx.update(jnp.array([2.0]), tx.init(w), w)
   assert float(updates[0]) == -1.0  # 0.5 * 1 + 0.5 * (1 - 0.5 * 2)
   assert float(optax.tree.get(state, "ema_params")[0]) == 0.5
+
+
+def test_integer_logits_and_duplicate_ids_are_refused_naming_the_argument():
+  with pytest.raises(ValueError, match="logits must be floating-point"):
+    optax_gsam.trajectory_loss(jnp.ones((2, 3), jnp.int32), jnp.ones((2, 3)), temperature=2.5)
+  store = optax_gsam.saf_store(4, 3)
+  with pytest.raises(ValueError, match="ids must be unique within a batch"):
+    optax_gsam.saf_record(store, jnp.array([1, 1]), jnp.ones((2, 3)), 0)
+
+
+@pytest.mark.parametrize(
+  "wrap",
+  [
+    lambda tx: optax.MultiSteps(tx, every_k_schedule=1),
+    lambda tx: optax.apply_if_finite(tx, max_consecutive_errors=3),
+    lambda tx: optax.named_chain(("sgd", optax.sgd(0.5)), ("ema", optax_gsam.mesa_ema(0.5))),
+  ],
+  ids=["MultiSteps", "apply_if_finite", "named_chain"],
+)
+def test_mesa_ema_last_is_accepted_inside_optax_wrappers(wrap):
+  tx = wrap(optax.chain(optax.sgd(0.5), optax_gsam.mesa_ema(0.5)))
+  w = jnp.array([1.0])
+  _, state = tx.update(jnp.array([2.0]), tx.init(w), w)
+  assert float(optax.tree.get(state, "ema_params")[0]) == 0.5  # 0.5 * 1 + 0.5 * (1 - 0.5 * 2)
+
+
+def test_mesa_decay_as_a_python_float_is_exact_to_float32():
+  tx = optax_gsam.mesa_ema(0.9998)
+  w = jnp.zeros(1)
+  _, state = tx.update(jnp.ones(1), tx.init(w), w)
+  assert float(state.ema_params[0]) == np.float32(1.0 - 0.9998)

@@ -127,9 +127,18 @@ def trajectory_loss(
   check_temperature(temperature)
   check_weight(weight)
   if not isinstance(temperature_squared, bool):
-    raise ValueError(f"temperature_squared must be a bool, got {temperature_squared!r}.")
+    raise ValueError(
+      f"temperature_squared must be a bool, got {temperature_squared!r}: True for the "
+      "authors' scale (their lambda values), False for the term without tau^2."
+    )
   logits, target_logits = jnp.asarray(logits), jnp.asarray(target_logits)
   _check_shapes(logits, target_logits, where)
+  for name, array in (("logits", logits), ("target_logits", target_logits)):
+    if not jnp.issubdtype(array.dtype, jnp.floating):
+      raise ValueError(
+        f"{name} must be floating-point logits, got {array.dtype}: pass the model's outputs "
+        "(or cast them, e.g. .astype(jnp.float32))."
+      )
   dtype = compute_dtype(jnp.result_type(logits.dtype, target_logits.dtype))
   tau = jnp.asarray(temperature, dtype)
   log_q = jax.nn.log_softmax(logits.astype(dtype) / tau, axis=-1)

@@ -88,7 +88,10 @@ def saf_store(
   check_positive_int("num_classes", num_classes)
   check_positive_int("lag_epochs", lag_epochs)
   if not jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
-    raise ValueError(f"dtype must be a float dtype for the stored logits, got {dtype!r}.")
+    raise ValueError(
+      f"dtype must be a float dtype for the stored logits, got {dtype!r}: jnp.float32, or "
+      "jnp.bfloat16 to halve the store."
+    )
   outputs = jnp.zeros((num_examples, lag_epochs, num_classes), dtype, device=sharding)
   recorded = jnp.full((num_examples, lag_epochs), NEVER, jnp.int32, device=sharding)
   return SAFStore(outputs, recorded)
@@ -121,7 +124,15 @@ def _check_ids(ids: Any, store: SAFStore, batch: int | None) -> jax.Array:
       raise ValueError(
         f"ids must be in [0, num_examples) = [0, {num_examples}), got values in "
         f"[{low}, {high}]: the store was made for {num_examples} examples; build it with "
-        "saf_store(len(dataset), ...) and number the examples from 0."
+        "saf_store(len(dataset), ...) and number the examples from 0. (Under jax.jit, where "
+        "ids cannot be checked, an id out of range is masked and dropped: pad a last, partial "
+        "batch there.)"
+      )
+    if len(set(jnp.asarray(ids).tolist())) != jnp.size(ids):
+      raise ValueError(
+        "ids must be unique within a batch: an example seen twice in one step would record "
+        "one of its two outputs, whichever the scatter keeps. Draw the batch without "
+        "replacement (a permutation of the data set)."
       )
   return jnp.asarray(ids)
 
@@ -129,7 +140,10 @@ def _check_ids(ids: Any, store: SAFStore, batch: int | None) -> jax.Array:
 def _check_epoch(name: str, epoch: Any) -> None:
   if isinstance(epoch, jax.core.Tracer):
     if not jnp.issubdtype(epoch.dtype, jnp.integer) or epoch.shape != ():
-      raise ValueError(f"{name} must be an int scalar, got {epoch.dtype}{list(epoch.shape)}.")
+      raise ValueError(
+        f"{name} must be an int scalar, got {epoch.dtype}{list(epoch.shape)}: pass the epoch "
+        "as an int (or jnp.int32(epoch)), counting from 0."
+      )
     return
   value = epoch.item() if hasattr(epoch, "item") and jnp.ndim(epoch) == 0 else epoch
   if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
