@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Callable
 from collections.abc import Hashable
 from typing import Any
 
@@ -90,6 +91,14 @@ def check_unit_interval(name: str, value, *, include_one: bool) -> None:
     return
   if not is_real_number(number) or not (0 <= number <= 1) or (number == 1 and not include_one):
     raise ValueError(f"{name} must be a float in {interval}, got {value!r}.")
+
+
+def with_fix(fix: str, check: Callable[..., None], *args: Any, **kwargs: Any) -> None:
+  """``check(*args, **kwargs)``, its ValueError's message followed by ``fix``."""
+  try:
+    check(*args, **kwargs)
+  except ValueError as error:
+    raise ValueError(f"{error} {fix}") from None
 
 
 def check_positive_int(name: str, value, *, allow_none: bool = False) -> None:

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from optax_gsam._src.core.arrays import compute_dtype
 from optax_gsam._src.core.validation import check_non_negative
 from optax_gsam._src.core.validation import check_positive
+from optax_gsam._src.core.validation import with_fix
 
 # The paper's temperature for SAF and MESA (its hyperparameter table, and the authors' scripts).
 DEFAULT_TEMPERATURE = 5.0
@@ -17,24 +18,17 @@ DEFAULT_TEMPERATURE = 5.0
 
 def check_temperature(temperature: Any) -> None:
   """``temperature`` > 0, with the fix in the message."""
-  try:
-    check_positive("temperature", temperature)
-  except ValueError as error:
-    raise ValueError(
-      f"{error} The softmax divides the logits by it: pass a number > 0 "
-      f"(the paper uses {DEFAULT_TEMPERATURE})."
-    ) from None
+  fix = f"The softmax divides the logits by it: pass a number > 0 (the paper uses {DEFAULT_TEMPERATURE})."
+  with_fix(fix, check_positive, "temperature", temperature)
 
 
 def check_weight(weight: Any) -> None:
   """The trajectory term's weight lambda >= 0."""
-  try:
-    check_non_negative("weight", weight)
-  except ValueError as error:
-    raise ValueError(
-      f"{error} It is the paper's lambda, the weight of the trajectory term: pass a number "
-      ">= 0 (0 turns the term off)."
-    ) from None
+  fix = (
+    "It is the paper's lambda, the weight of the trajectory term: pass a number >= 0 "
+    "(0 turns the term off)."
+  )
+  with_fix(fix, check_non_negative, "weight", weight)
 
 
 def _check_shapes(logits: jax.Array, target_logits: jax.Array, where: Any) -> None:

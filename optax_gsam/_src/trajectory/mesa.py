@@ -13,6 +13,7 @@ import optax
 from optax_gsam._src.calls.placement import check_last_in_chain
 from optax_gsam._src.core.arrays import compute_dtype
 from optax_gsam._src.core.validation import check_unit_interval
+from optax_gsam._src.core.validation import with_fix
 
 # The EMA decay of the authors' released MESA script (timm's model EMA default).
 DEFAULT_DECAY = 0.9998
@@ -40,13 +41,11 @@ class MESAState(NamedTuple):
 
 
 def check_decay(decay: Any) -> None:
-  try:
-    check_unit_interval("decay", decay, include_one=False)
-  except ValueError as error:
-    raise ValueError(
-      f"{error} It is MESA's EMA decay beta: the average keeps beta of itself each step "
-      f"(the authors use {DEFAULT_DECAY}); 1 would never move."
-    ) from None
+  fix = (
+    f"It is MESA's EMA decay beta: the average keeps beta of itself each step (the authors "
+    f"use {DEFAULT_DECAY}); 1 would never move."
+  )
+  with_fix(fix, check_unit_interval, "decay", decay, include_one=False)
 
 
 def mesa_ema(decay: float = DEFAULT_DECAY) -> optax.GradientTransformation:
