@@ -10,7 +10,6 @@ import dataclasses
 import functools
 import time
 from collections.abc import Callable
-from collections.abc import Sequence
 from typing import Any
 from typing import Literal
 
@@ -38,6 +37,10 @@ from benchmarks.reporting import save_figure as save_figure
 from benchmarks.timing import Timed as Timed  # re-exported, as reporting's names
 from benchmarks.timing import hlo_stats as hlo_stats
 from benchmarks.timing import interleaved as interleaved
+from benchmarks.trajectory import Trajectory as Trajectory  # re-exported: contenders name it
+from benchmarks.trajectory import timed_trajectory
+from benchmarks.trajectory import trajectory_step
+from benchmarks.trajectory import trajectory_store
 
 WEIGHT_DECAY = 1e-4
 # SGD with momentum as the SAM and Momentum-SAM papers run it (their CIFAR weight decay).
@@ -77,29 +80,6 @@ Protocol = Literal["loss_fn", "grad_fn", "no_clean", "plain"]
 
 
 @dataclasses.dataclass(frozen=True)
-class Trajectory:
-  """SAF's or MESA's trajectory term (docs/trajectory.md), added to the loss of a plain step.
-
-  Its weight lambda is the run's ``rho``; MESA's EMA decay is its ``alpha`` (in the
-  contender's ``make``). The rest is static.
-
-  Attributes:
-    kind: ``"saf"`` (a store of each example's logits, recorded ``lag_epochs`` epochs before,
-      carried through the training scan and indexed by the batch's example ids) or
-      ``"mesa"`` (the logits of the EMA weights: one extra forward pass a step).
-    lag_epochs: SAF's Ẽ, static (the store's shape).
-    start: E_start as a fraction of the epochs: the term applies from epoch
-      ``int(start * epochs)`` on.
-    temperature: tau (the authors: 5, untuned).
-  """
-
-  kind: Literal["saf", "mesa"]
-  lag_epochs: int = 3
-  start: float = 0.1
-  temperature: float = 5.0
-
-
-@dataclasses.dataclass(frozen=True)
 class Contender:
   """An optimizer factory, how its ``update`` is called, and whose tuned values it uses.
 
@@ -117,8 +97,9 @@ class Contender:
     evaluations: gradient evaluations of a full step (a cheap or base step takes one).
     forwards: extra forward passes a step (MESA's one); pareto.py counts each at its
       FLOPs' share of a gradient evaluation.
-    trajectory: SAF's or MESA's term (``protocol="plain"``): its step also takes the
-      batch's example ids and the epoch (:func:`trajectory_step`).
+    trajectory: SAF's or MESA's term (:func:`with_trajectory`): its step also takes the
+      batch's example ids and the epoch, and a ``loss_fn`` it passes holds the term
+      (``benchmarks.trajectory.trajectory_step``).
   """
 
   make: Callable[[optax.GradientTransformation, HParams], optax.GradientTransformation]
@@ -158,30 +139,59 @@ CONTENDERS: dict[str, Contender] = {
 }
 
 
-def _trajectory_contender(trajectory: Trajectory) -> Contender:
-  """SAF or MESA on the base optimizer (MESA's EMA chained last), at the tuned values of its kind."""
-  if trajectory.kind == "mesa":
-    make = lambda base, hp: optax.chain(base, optax_gsam.mesa_ema(hp.alpha))
-  else:
-    make = lambda base, hp: base
-  mesa = trajectory.kind == "mesa"
+# MESA's lambda, the authors' (0.8): its own rows tune the EMA decay in the alpha slot.
+MESA_WEIGHT = 0.8
+
+
+def with_trajectory(
+  kind: Literal["saf", "mesa"], beside: Contender | None = None, key: str | None = None
+) -> Contender:
+  """SAF or MESA on the base optimizer, or beside the sharpness-aware contender ``beside``.
+
+  MESA's EMA is chained last, after everything (``optax_gsam.mesa_ema`` must be). Alone,
+  lambda is the run's ``rho`` and MESA's decay its ``alpha``. Beside ``beside``, whose
+  transform goes first and takes ``rho`` as its radius, SAF's lambda is ``alpha`` and MESA's
+  is :data:`MESA_WEIGHT`, its decay still ``alpha``. The step keeps ``beside``'s protocol and
+  branches; SAF beside a transform without a clean pass (momentum-SAM) records the logits of
+  one extra forward pass, which counts as MESA's does.
+
+  Args:
+    kind: ``"saf"`` or ``"mesa"``.
+    beside: the sharpness-aware contender, or ``None``.
+    key: the tuned values it uses (default: ``kind``).
+  """
+  mesa = kind == "mesa"
+  requires = ("mesa_ema",) if mesa else ("saf_store",)
+  inner: Callable = lambda base, hp: base
+  weight: Literal["rho", "alpha"] | float = "rho"
+  protocol: Protocol = "plain"
+  branches: tuple[str | None, ...] = (None,)  # timed as one step
+  evaluations, forwards = 1, int(mesa)
+  if beside is not None:
+    inner, weight = beside.make, MESA_WEIGHT if mesa else "alpha"
+    protocol, branches, evaluations = beside.protocol, beside.branches, beside.evaluations
+    forwards = int(mesa or beside.protocol == "no_clean")
+    requires += beside.requires
+  make = inner
+  if mesa:
+    make = lambda base, hp: optax.chain(inner(base, hp), optax_gsam.mesa_ema(hp.alpha))
   return Contender(
     make,
-    trajectory.kind,
-    "plain",
-    (None,),  # timed as one step; base_steps: one gradient evaluation (+ MESA's forward)
-    requires=("mesa_ema",) if mesa else ("saf_store",),
+    key or kind,
+    protocol,
+    branches,
+    requires=requires,
     cheap_policy=True,
-    evaluations=1,
-    forwards=int(mesa),
-    trajectory=trajectory,
+    evaluations=evaluations,
+    forwards=forwards,
+    trajectory=Trajectory(kind, weight),
   )
 
 
 # SAF and MESA (Du et al., 2022): the scripts add them to their own tables.
 TRAJECTORY_CONTENDERS: dict[str, Contender] = {
-  "saf": _trajectory_contender(Trajectory("saf")),
-  "mesa": _trajectory_contender(Trajectory("mesa")),
+  "saf": with_trajectory("saf"),
+  "mesa": with_trajectory("mesa"),
 }
 
 
@@ -241,51 +251,6 @@ def train_step(
     return optax.apply_updates(params, updates), opt_state, loss
 
   return step
-
-
-def trajectory_step(
-  model: nn.Module,
-  tx: optax.GradientTransformation,
-  trajectory: Trajectory,
-  weight: Any,
-  start_epoch: Any,
-) -> Callable:
-  """``(params, opt_state, store, x, y, ids, epoch) -> (params, opt_state, store, loss)``.
-
-  The loss returned is the cross-entropy alone. SAF reads the batch's targets from ``store``
-  (an ``optax_gsam.SAFStore``) and records the step's logits in it; MESA reads the EMA weights
-  from ``opt_state`` (``store`` is ``()``, passed through) and adds one forward pass at them.
-  """
-
-  def step(params, opt_state, store, x, y, ids, epoch):
-    if trajectory.kind == "saf":
-      targets, valid = optax_gsam.saf_targets(store, ids, epoch, start_epoch=start_epoch)
-    else:
-      ema = optax.tree.get(opt_state, "ema_params")
-      targets, valid = optax_gsam.mesa_targets(model.apply, ema, x), epoch >= start_epoch
-
-    def loss_fn(p):
-      logits = model.apply(p, x)
-      ce = cross_entropy(logits, y)
-      term = optax_gsam.trajectory_loss(
-        logits, targets, temperature=trajectory.temperature, weight=weight, where=valid
-      )
-      return ce + term, (ce, logits)
-
-    (_, (loss, logits)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    if trajectory.kind == "saf":
-      store = optax_gsam.saf_record(store, ids, logits, epoch)
-    return optax.apply_updates(params, updates), opt_state, store, loss
-
-  return step
-
-
-def trajectory_store(trajectory: Trajectory, num_examples: int, num_classes: int) -> Any:
-  """SAF's empty store of past logits; ``()`` for MESA, which keeps its EMA in ``opt_state``."""
-  if trajectory.kind != "saf":
-    return ()
-  return optax_gsam.saf_store(num_examples, num_classes, lag_epochs=trajectory.lag_epochs)
 
 
 # ----------------------------------------------------------------------------- training
@@ -418,8 +383,10 @@ def make_train(
     trajectory = contender.trajectory
     if trajectory is None:
       step = train_step(model, tx, contender)
-    else:  # lambda is the run's rho
-      step = trajectory_step(model, tx, trajectory, rho, int(trajectory.start * task.epochs))
+    else:
+      start_epoch = int(trajectory.start * task.epochs)
+      weight = trajectory.weight_of(rho, alpha)
+      step = trajectory_step(model, tx, trajectory, weight, start_epoch, contender.protocol)
     accuracy = lambda p: jnp.mean(jnp.argmax(model.apply(p, x_eval), axis=-1) == y_eval)
     batch_loss = lambda p, xy: cross_entropy(model.apply(p, xy[0]), xy[1])
     train_set = (x_train, y_train)
@@ -518,119 +485,11 @@ def run_batch(
   return [{k: v[i].tolist() for k, v in out.items()} for i in range(len(runs))], num_steps
 
 
-def _best_points(
-  task: Task,
-  contenders: dict[str, Contender],
-  key: str,
-  points: dict[float, list[tuple[float, float, float]]],
-  *,
-  seeds: int,
-  sweep: dict[str, list[dict]],
-  compiler_options: dict | None,
-) -> dict:
-  """Trains ``key``'s contender on every ``(lr, rho, alpha)`` of ``points`` (per noise level).
-
-  Returns the best point per noise level by mean validation accuracy over ``seeds``; appends
-  every point's score to ``sweep[key]``.
-  """
-  runs = [
-    Run(noise, s, *point) for noise, grid in points.items() for point in grid for s in range(seeds)
-  ]
-  metrics, _ = run_batch(
-    contenders[key], task, runs, validation=True, compiler_options=compiler_options
-  )
-  best: dict[float, dict] = {}
-  for i in range(0, len(runs), seeds):
-    run = runs[i]
-    acc = float(np.mean([m["accuracy"] for m in metrics[i : i + seeds]]))
-    point = {"noise": run.noise, "lr": run.lr, "rho": run.rho, "alpha": run.alpha}
-    sweep.setdefault(key, []).append({**point, "val_accuracy": acc})
-    print(f"  tune {task.name} {key:8s} {point}: val acc {100 * acc:.2f}%", flush=True)
-    if run.noise not in best or acc > best[run.noise][1]:
-      best[run.noise] = ({"lr": run.lr, "rho": run.rho, "alpha": run.alpha}, acc)
-  return {noise: point for noise, (point, _) in best.items()}
-
-
-def tune(
-  task: Task,
-  contenders: dict[str, Contender],
-  lr_grid: Sequence[float],
-  grids: dict[str, tuple[Sequence[float], Sequence[float]]],
-  *,
-  seeds: int,
-  compiler_options: dict | None = None,
-  joint: bool = False,
-) -> tuple[dict, dict]:
-  """Per noise level: the base learning rate, then each key's (rho, alpha) at that learning rate.
-
-  With ``joint``, each key's learning rate is tuned together with its rho and alpha, over
-  ``lr_grid x rhos x alphas``, and the base's over as many learning rates, spaced
-  geometrically across ``lr_grid``'s range: every key gets the same number of points.
-
-  Args:
-    task: what to train; every noise level of it is tuned separately.
-    contenders: per hyperparameter key (``"base"`` and those of ``grids``), the contender
-      that is trained to tune it.
-    lr_grid: the base learning rates tried.
-    grids: per key, its grid of rho values and its grid of alpha values.
-    seeds: seeds per grid point; the score is the mean validation accuracy.
-    compiler_options: passed to XLA.
-
-  Returns:
-    The chosen values, ``{noise: {key: {"lr", "rho", "alpha"}}}``, and the whole sweep.
-  """
-  sweep: dict[str, list[dict]] = {}
-  evaluate = functools.partial(
-    _best_points, task, contenders, seeds=seeds, sweep=sweep, compiler_options=compiler_options
-  )
-  noises = task.noise_levels
-  base_lrs = list(lr_grid)
-  if joint and grids:
-    sizes = {len(lr_grid) * len(rhos) * len(alphas) for rhos, alphas in grids.values()}
-    if len(sizes) != 1:
-      raise ValueError(f"joint tuning needs grids of one size for every key, got sizes {sizes}")
-    [size] = sizes
-    base_lrs = np.geomspace(min(lr_grid), max(lr_grid), size).tolist()
-  chosen = {
-    n: {"base": p}
-    for n, p in evaluate("base", {n: [(lr, 0.0, 0.0) for lr in base_lrs] for n in noises}).items()
-  }
-  for key, (rhos, alphas) in grids.items():
-    lrs = lambda n: lr_grid if joint else (chosen[n]["base"]["lr"],)
-    points = {n: [(lr, r, a) for lr in lrs(n) for r in rhos for a in alphas] for n in noises}
-    for n, point in evaluate(key, points).items():
-      chosen[n][key] = point
-  return chosen, sweep
-
-
 # ----------------------------------------------------------------------------- timing
 
 
 def _advance(compiled: Callable, x: jax.Array, y: jax.Array, state: tuple) -> tuple:
   return compiled(state[0], state[1], x, y)
-
-
-def _timed_trajectory(model, tx, trajectory: Trajectory, params, opt_state, x) -> tuple:
-  """SAF's or MESA's step as ``(params, state, x, y) -> (params, state, loss)`` for timing.
-
-  ``state`` holds the optimizer state, the store (examples: the batch), the ids and the
-  epoch, all traced as in training; the epoch (past ``start``) keeps the term on.
-  """
-  classes = jax.eval_shape(model.apply, params, x[:1]).shape[-1]
-  store = trajectory_store(trajectory, len(x), classes)
-  ids = jnp.arange(len(x), dtype=jnp.int32)
-  state = (opt_state, store, ids, jnp.asarray(trajectory.lag_epochs, jnp.int32))
-  inner = trajectory_step(model, tx, trajectory, 0.3, 0)
-
-  def make_step(branch):
-    def step(params, state, x, y):
-      opt_state, store, ids, epoch = state
-      params, opt_state, store, loss = inner(params, opt_state, store, x, y, ids, epoch)
-      return params, (opt_state, store, ids, epoch), loss
-
-    return step
-
-  return make_step, state
 
 
 def compile_step(
@@ -657,7 +516,9 @@ def compile_step(
   opt_state = tx.init(params)
   make_step = functools.partial(train_step, model, tx, contender)
   if contender.trajectory is not None:
-    make_step, opt_state = _timed_trajectory(model, tx, contender.trajectory, params, opt_state, x)
+    make_step, opt_state = timed_trajectory(
+      model, tx, contender.trajectory, contender.protocol, params, opt_state, x
+    )
   start = time.perf_counter()
   compiled = {}
   for branch in dict.fromkeys(branches):

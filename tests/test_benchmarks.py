@@ -11,6 +11,7 @@ from pathlib import Path
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -26,6 +27,7 @@ from benchmarks.costs import microbatches
 from benchmarks.costs import step_cost
 from benchmarks.science import generalization
 from benchmarks.science import pareto
+from benchmarks.science import pareto_contenders
 
 # Not in the README's suite: `python -m pytest -m benchmarks` (.ci/run runs them as a step).
 pytestmark = pytest.mark.benchmarks
@@ -382,3 +384,71 @@ def test_fsdp_x_tp_layout_puts_the_hidden_dimension_over_model_and_the_next_over
   assert spec((7,)) == (None,)  # nothing divides it: replicated
   flat = jax.sharding.Mesh(np.array(jax.devices()[:8]), (sharded_steps.AXIS,))
   assert tuple(sharded_steps.layout_spec((24, 1024, 4096), flat)) == (None, None, "data")
+
+
+def test_pareto_trajectory_pairs_smoke(tmp_path):
+  """SAF and MESA beside momentum-SAM and every-20: the pair's knob fixed, lr x rho tuned."""
+  pairs = list(pareto_contenders.TRAJECTORY_PAIRS)
+  argv = ["--quick", "--joint", "--noise", "0.2", "--tune-seeds", "1", "--seeds", "1"]
+  argv += ["--epochs", "4", "--contenders", "base", *pairs, "--no-vit", "--rounds", "1"]
+  pareto.main([*argv, "--out-dir", str(tmp_path), "--no-plot"])
+  saved = json.loads((tmp_path / "pareto_quick_joint.json").read_text())
+  sweep = saved["tuning"]["sweep"]["mnist1d-ln"]
+  assert {len(sweep[key]) for key in ("base", *pairs)} == {9}  # the same budget
+  knobs = pareto_contenders.TRAJECTORY_KNOBS["adamw"][0.2]
+  for name in pairs:
+    kind = name.split("+")[0]
+    assert {p["alpha"] for p in sweep[name]} == {knobs[kind]}  # the knob its own tuning chose
+  assert {p["rho"] for p in sweep["saf+momentum-sam"]} == set(
+    pareto_contenders.JOINT_RHO_GRIDS["msam"]
+  )
+  rows = {r["contender"]: r for r in saved["rows"]}
+  forward = rows["mesa+momentum-sam"]["base_steps"] - 1.0  # MESA's teacher pass
+  assert 0.1 < forward < 0.6
+  # SAF beside momentum-SAM records clean logits: one forward pass, as MESA's teacher.
+  assert rows["saf+momentum-sam"]["base_steps"] == pytest.approx(1.0 + forward)
+  every = rows["saf+every-20"]
+  assert every["base_steps"] == pytest.approx(1.0 + every["full_fraction"])
+  mesa_every = rows["mesa+every-20"]
+  assert mesa_every["base_steps"] == pytest.approx(1.0 + mesa_every["full_fraction"] + forward)
+  for row in rows.values():
+    assert 0.0 <= row["acc_mean"] <= 1.0 and math.isfinite(row["train_loss_mean"])
+
+
+def test_trajectory_pair_steps_follow_the_formulas():
+  """A pair's step: SAM's gradient of CE + the SAF term; beside momentum-SAM, clean logits kept."""
+  model = nn.Dense(3)
+  x = jax.random.normal(jax.random.key(0), (4, 5))
+  y = np.array([0, 1, 2, 1])
+  ids = np.arange(4, dtype=np.int32)
+  params = model.init(jax.random.key(1), x)
+  store = optax_gsam.saf_store(4, 3, lag_epochs=1)
+  past = jax.random.normal(jax.random.key(2), (4, 3))
+  store = optax_gsam.saf_record(store, ids, past, 0)  # targets valid at epoch 1
+  rho, lam, lr = 0.1, 0.5, 0.3
+  trajectory = harness.Trajectory("saf", weight="alpha")
+
+  def total(p):  # the formulas, written out: CE + lam tau^2 KL(softmax(t/tau) || softmax(z/tau))
+    z, tau = model.apply(p, x), trajectory.temperature
+    ce = -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(z), y[:, None], axis=1))
+    t = jax.nn.softmax(past / tau)
+    kl = jnp.sum(t * (jnp.log(t) - jax.nn.log_softmax(z / tau)), axis=1)
+    return ce + lam * tau**2 * jnp.mean(kl)
+
+  g = jax.grad(total)(params)
+  ascent = jax.tree.map(lambda w, gi: w + rho * gi / optax.tree.norm(g), params, g)
+  expected = jax.tree.map(lambda w, gi: w - lr * gi, params, jax.grad(total)(ascent))
+  tx = optax.chain(optax_gsam.sam(rho), optax.sgd(lr))
+  step = harness.trajectory_step(model, tx, trajectory, lam, 1, "loss_fn", True)
+  new, _, recorded, _ = step(params, tx.init(params), store, x, y, ids, 1)
+  for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(expected), strict=True):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(recorded.outputs[:, 0], model.apply(params, x), rtol=1e-6)
+
+  msam = optax.chain(optax_gsam.momentum_sam(rho), optax.sgd(lr))
+  step = harness.trajectory_step(model, msam, trajectory, lam, 1, "no_clean")
+  new, _, recorded, _ = step(params, msam.init(params), store, x, y, ids, 1)
+  expected = jax.tree.map(lambda w, gi: w - lr * gi, params, g)  # v_0 = 0: no perturbation
+  for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(expected), strict=True):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(recorded.outputs[:, 0], model.apply(params, x), rtol=1e-6)

@@ -13,6 +13,7 @@ import pytest
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "optax_gsam"
 SOURCE = PACKAGE / "_src"
+BENCHMARKS = PACKAGE.parent / "benchmarks"
 
 FLOORS = {
   "core": 0,
@@ -126,7 +127,9 @@ def test_the_checks_see_a_circle_and_a_higher_floor(monkeypatch):
 
 
 @pytest.mark.parametrize(
-  "path", sorted(PACKAGE.rglob("*.py")), ids=lambda p: str(p.relative_to(PACKAGE))
+  "path",
+  sorted([*PACKAGE.rglob("*.py"), *BENCHMARKS.rglob("*.py")]),
+  ids=lambda p: str(p.relative_to(PACKAGE.parent)),
 )
 def test_no_module_is_longer_than_600_lines(path):
   assert len(path.read_text().splitlines()) <= LONGEST_MODULE

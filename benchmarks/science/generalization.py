@@ -39,6 +39,7 @@ import optax_gsam
 from optax_gsam import demo
 
 from benchmarks import harness
+from benchmarks import tuning
 from benchmarks.harness import Contender
 from benchmarks.harness import before_base
 from benchmarks.models import NormMLP
@@ -109,7 +110,7 @@ GRIDS = {
   "sam 2-step": (RHO_GRID, (0.0,)),
   **TRAJECTORY_GRIDS,  # pareto.py's: SAF's lambda, MESA's decay
 }
-# --norm's sweep tunes each key's learning rate and rho together (harness.tune(joint=True)), 4 x 4
+# --norm's sweep tunes each key's learning rate and rho together (tuning.tune(joint=True)), 4 x 4
 # points, the base 16 learning rates: tuning the base's rate first, then rho at it, left every
 # key on a grid edge (the base's rate fell from 1e-3 to 1.25e-4 over three sweeps, and SAM-ON's
 # best rho moved with it, from 4 to 2). SAM-ON moves the 1024 LayerNorm parameters alone: its
@@ -301,7 +302,7 @@ def tune(args, argv) -> dict:
   tuned_with = {key: CONTENDERS[key] for key in keys}
   grids = {key: grid for key, grid in (NORM_GRIDS if args.norm else GRIDS).items() if key in keys}
   lr_grid = NORM_LR_GRID if args.norm else LR_GRID
-  chosen, sweep = harness.tune(task, tuned_with, lr_grid, grids, seeds=seeds, joint=args.norm)
+  chosen, sweep = tuning.tune(task, tuned_with, lr_grid, grids, seeds=seeds, joint=args.norm)
   print(f"best: {chosen[TUNE_NOISE]}")
   result = {"noise": TUNE_NOISE, "epochs": task.epochs, "seeds": seeds, "sweep": sweep}
   result = {**result, "model": task.model.__class__.__name__, "best": chosen[TUNE_NOISE]}

@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import harness
+from benchmarks import tuning
 from benchmarks.harness import Contender
 from benchmarks.models import ViT
 from benchmarks.science.pareto_contenders import CONTENDERS
@@ -153,10 +154,11 @@ def step_cost_of(
   full = costs[f"{name}/full"]
   cheap = costs.get(f"{name}/cheap", full)  # no cheap branch: every step is full
   weigh = lambda key: (n_full * full[key] + (n - n_full) * cheap[key]) / n
+  forwards = contender.forwards * costs["forward"]["share"] if contender.forwards else 0.0
   return {
     "step_cost": weigh("ratio"),
     "flops_cost": weigh("flops_ratio"),
-    "base_steps": (n_full * contender.evaluations + (n - n_full)) / n,
+    "base_steps": (n_full * contender.evaluations + (n - n_full)) / n + forwards,
     "full_ratio": full["ratio"],
     "cheap_ratio": cheap["ratio"],
     "full_ms": full["ms"],
@@ -327,13 +329,13 @@ def choose(task, contenders, args, options) -> tuple[dict, dict | None]:
       raise SystemExit(f"No tuned values for {untuned} in this mode: tune them (drop --no-tune).")
     return {n: defaults[n] for n in task.noise_levels}, None
   keys = {"base"} | {c.hparams for c in contenders.values()}
-  tuning = {k: CONTENDERS[TUNED_WITH[k]] for k in TUNED_WITH if k in keys}
-  all_grids = joint_grids() if args.joint else grids(task.name)
+  tuned_with = {k: CONTENDERS[TUNED_WITH[k]] for k in TUNED_WITH if k in keys}
+  all_grids = joint_grids(args.base) if args.joint else grids(task.name)
   task_grids = {k: g for k, g in all_grids.items() if k in keys}
   lr_grid = JOINT_LR_GRIDS[args.base] if args.joint else LR_GRIDS[task.name]
-  return harness.tune(
+  return tuning.tune(
     task,
-    tuning,
+    tuned_with,
     lr_grid,
     task_grids,
     seeds=args.tune_seeds,

@@ -153,6 +153,30 @@ CONTENDERS: dict[str, Contender] = {
   # SAF (1 base step) and MESA (one extra forward pass a step), at their own tuned values.
   **harness.TRAJECTORY_CONTENDERS,
 }
+# Each of SAF and MESA beside the cheap sharpness-aware contenders at <= 1.05 gradient
+# evaluations a step: "saf+momentum-sam", ..., "mesa+every-20", each at values of its own.
+PAIRED_WITH = ("momentum-sam", "every-20")
+TRAJECTORY_PAIRS: dict[str, Contender] = {
+  f"{kind}+{name}": harness.with_trajectory(kind, CONTENDERS[name], key=f"{kind}+{name}")
+  for kind in ("saf", "mesa")
+  for name in PAIRED_WITH
+}
+CONTENDERS.update(TRAJECTORY_PAIRS)
+# The trajectory knob each pair runs with, per base and noise level: what SAF's (lambda) and
+# MESA's (EMA decay) own --joint tuning chose there (results/trajectory/pareto_joint[_sgd].json).
+# A pair tunes its learning rate with its radius on the same 3 x 3 budget as everyone else.
+TRAJECTORY_KNOBS: dict[str, dict[float, dict[str, float]]] = {
+  "adamw": {
+    0.0: {"saf": 0.3, "mesa": 0.995},
+    0.2: {"saf": 0.3, "mesa": 0.999},
+    0.4: {"saf": 1.0, "mesa": 0.999},
+  },
+  "sgd": {
+    0.0: {"saf": 0.1, "mesa": 0.999},
+    0.2: {"saf": 1.0, "mesa": 0.999},
+    0.4: {"saf": 0.3, "mesa": 0.99},
+  },
+}
 # --joint's contenders (on mnist1d-ln, whose LayerNorms SAM-ON perturbs); the rest of the
 # policies reuse SAM's tuned values, as in the default run.
 JOINT_CONTENDERS = (
@@ -179,6 +203,7 @@ DEFAULT_CONTENDERS = tuple(
   if name
   not in {"friendly-sam", "vasso", "sam-2step", "sam-on", "every-20", "late-phase-5"}
   | set(harness.TRAJECTORY_CONTENDERS)
+  | set(TRAJECTORY_PAIRS)
 )
 # The contender each hyperparameter key is tuned with, and its (rho, alpha) grids per data set.
 TUNED_WITH = {
@@ -195,6 +220,7 @@ TUNED_WITH = {
   "late-5": "late-phase-5",
   "saf": "saf",
   "mesa": "mesa",
+  **{name: name for name in TRAJECTORY_PAIRS},
 }
 
 
@@ -251,15 +277,23 @@ JOINT_DEFAULTS: dict[str, dict[float, dict[str, dict[str, float]]]] = {
 }
 
 
-def joint_grids() -> dict[str, tuple[tuple[float, ...], tuple[float, ...]]]:
+def joint_grids(base: str = "adamw") -> dict[str, tuple[tuple[float, ...], Any]]:
   """Per key, the rho (and alpha) grid of --joint; the learning rate is JOINT_LR_GRIDS'.
 
-  SAF's and MESA's are their knobs' (``TRAJECTORY_GRIDS``), as many points.
+  SAF's and MESA's are their knobs' (``TRAJECTORY_GRIDS``), as many points. A pair's rho grid
+  is its sharpness-aware contender's; its alpha, per noise level, is ``TRAJECTORY_KNOBS``'.
   """
-  others = (k for k in TUNED_WITH if k != "base" and k not in TRAJECTORY_GRIDS)
+  others = (
+    k for k in TUNED_WITH if k != "base" and k not in TRAJECTORY_GRIDS and k not in TRAJECTORY_PAIRS
+  )
   keyed = {k: JOINT_RHO_GRIDS.get(k, JOINT_RHO_GRIDS["sam"]) for k in others}
   alpha = lambda k: (GSAM_ALPHA,) if k.startswith("gsam") else (0.0,)
-  return {**{k: (rho, alpha(k)) for k, rho in keyed.items()}, **TRAJECTORY_GRIDS}
+  paired = {}
+  for name in TRAJECTORY_PAIRS:
+    kind, beside = name.split("+")
+    knobs = {noise: (values[kind],) for noise, values in TRAJECTORY_KNOBS[base].items()}
+    paired[name] = (keyed[CONTENDERS[beside].hparams], knobs)
+  return {**{k: (rho, alpha(k)) for k, rho in keyed.items()}, **TRAJECTORY_GRIDS, **paired}
 
 
 def grids(dataset: str) -> dict[str, tuple[tuple[float, ...], tuple[float, ...]]]:
