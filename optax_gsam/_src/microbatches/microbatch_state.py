@@ -38,6 +38,7 @@ from optax_gsam._src.microbatches.microbatch import accumulated
 from optax_gsam._src.microbatches.microbatch import check_batch
 from optax_gsam._src.microbatches.microbatch import mean_and_state
 from optax_gsam._src.microbatches.microbatch import microbatch_fns
+from optax_gsam._src.microbatches.microbatch import microbatch_of
 
 _ACCUMULATE = "optax_gsam.accumulate_value_and_grad"
 
@@ -149,15 +150,13 @@ def user_grad_fn(
 def _arguments_of(inputs: MicrobatchInputs, k: int, axis_name: Any) -> Callable:
   """``index -> (microbatch or index, [key])``: the arguments after params (and state)."""
   batch, key = inputs.batch, inputs.key
+  microbatch = None
   if batch is not None:
     check_batch(batch, k, axis_name)
+    microbatch = microbatch_of(batch, k)
 
   def of(index):
-    if batch is None:
-      item = index
-    else:
-      size = jax.tree.leaves(batch)[0].shape[0] // k
-      item = jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, index * size, size), batch)
+    item = index if microbatch is None else microbatch(index)
     return (item,) if key is None else (item, jax.random.fold_in(key, index))
 
   return of
