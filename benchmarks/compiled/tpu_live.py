@@ -197,11 +197,17 @@ def live_cell(step: dict, reference: dict, needs: int | str) -> dict[str, Any]:
 
 
 def collect(
-  models: list[str], root: pathlib.Path, out: pathlib.Path, from_dumps: bool = False
+  models: list[str],
+  root: pathlib.Path,
+  out: pathlib.Path,
+  from_dumps: bool = False,
+  steps: list[str] | None = None,
 ) -> dict:
   """Every missed cell of ``models``: its programs dumped and read, written to ``out`` as it goes.
 
   ``from_dumps``: no compiling; ``out``'s programs are read again from their dumps under ``root``.
+  ``steps``: compile only these steps' programs again (after a change to them), keeping ``out``'s
+  others of ``models``.
   """
   result: dict[str, Any] = {
     "command": " ".join(["python -m benchmarks.compiled.tpu_live", *sys.argv[1:]]),
@@ -210,9 +216,10 @@ def collect(
   }
   if out.exists():  # keep the other models' cells (and, from the dumps, these models' programs)
     kept = json.loads(out.read_text())
-    result["programs"] = {
-      k: v for k, v in kept["programs"].items() if from_dumps or k.split(" | ")[0] not in models
-    }
+    keep = lambda model, step: (
+      from_dumps or model not in models or (steps is not None and step not in steps)
+    )
+    result["programs"] = {k: v for k, v in kept["programs"].items() if keep(*k.split(" | ")[:2])}
     result["cells"] = [c for c in kept["cells"] if c["model"] not in models]
   programs = result["programs"]
   for model, label, over, dtype in table_cells(models, verdict=False):
@@ -256,12 +263,15 @@ def main(argv: list[str] | None = None) -> dict:
   parser.add_argument(
     "--from-dumps", action="store_true", help="no compiling: read --out's programs from --dumps"
   )
+  parser.add_argument(
+    "--steps", nargs="+", default=None, help="compile only these steps again, keep --out's others"
+  )
   args = parser.parse_args(argv)
   if args.from_dumps and not args.dumps:
     parser.error("--from-dumps reads the dumps a run kept with --dumps DIR: give --dumps DIR")
   with tempfile.TemporaryDirectory() as scratch:
     root = args.dumps or pathlib.Path(scratch)
-    result = collect([MODELS[m] for m in args.models], root, args.out, args.from_dumps)
+    result = collect([MODELS[m] for m in args.models], root, args.out, args.from_dumps, args.steps)
   print(format_cells(result["cells"]))
   print(f"wrote {args.out}")
   return result
