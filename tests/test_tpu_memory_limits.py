@@ -34,7 +34,7 @@ DECODER, MLP, VIT, VIT_MICROBATCHES = (
 MODELS = memory_table.TPU_MODELS
 # How many cells of each model the table marks met: re-recording the results that changes a
 # verdict changes this line too, so no cell leaves the guard unseen.
-MET_CELLS = {DECODER: 3, MLP: 10, VIT: 6, VIT_MICROBATCHES: 6}
+MET_CELLS = {DECODER: 4, MLP: 10, VIT: 6, VIT_MICROBATCHES: 6}
 
 
 def _met_cells(models) -> list:
@@ -63,7 +63,7 @@ def _check(model: str, label: str, over: str, dtype: str) -> None:
 
 @pytest.mark.tpu_limits
 class TestFSDP:
-  """The decoder and the residual MLP, FSDP over a v4-64 (23 compiles, about 15 minutes)."""
+  """The decoder and the residual MLP, FSDP over a v4-64 (25 compiles, about 16 minutes)."""
 
   @pytest.mark.parametrize(("model", "label", "over", "dtype"), _met_cells((DECODER, MLP)))
   def test_a_met_memory_limit_stays_met(self, model, label, over, dtype):
