@@ -168,6 +168,11 @@ def with_trajectory(
   branches: tuple[str | None, ...] = (None,)  # timed as one step
   evaluations, forwards = 1, int(mesa)
   if beside is not None:
+    if beside.protocol not in ("loss_fn", "no_clean"):
+      raise ValueError(
+        f"beside must take loss_fn (protocol 'loss_fn' or 'no_clean'), got {beside.protocol!r}:"
+        " the trajectory term reaches the perturbed pass through loss_fn."
+      )
     inner, weight = beside.make, MESA_WEIGHT if mesa else "alpha"
     protocol, branches, evaluations = beside.protocol, beside.branches, beside.evaluations
     forwards = int(mesa or beside.protocol == "no_clean")

@@ -452,3 +452,6 @@ def test_trajectory_pair_steps_follow_the_formulas():
   for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(expected), strict=True):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(recorded.outputs[:, 0], model.apply(params, x), rtol=1e-6)
+  grad_fn_contender = harness.Contender(lambda base, hp: base, protocol="grad_fn")
+  with pytest.raises(ValueError, match="beside must take loss_fn"):
+    harness.with_trajectory("saf", grad_fn_contender)

@@ -44,6 +44,11 @@ def check_batch(batch: Any, num_microbatches: int, axis_name: Any = None) -> Non
       )
   # The examples' size is the most common leading size; a leaf of another is named.
   size = collections.Counter(jnp.shape(leaf)[0] for _, leaf in leaves).most_common(1)[0][0]
+  if size == 0:
+    raise ValueError(
+      f"batch has no examples (leading size 0): with microbatches={num_microbatches}, each "
+      "micro-batch would be empty and its mean loss undefined. Skip the step for an empty batch."
+    )
   first_path, first = next((p, x) for p, x in leaves if jnp.shape(x)[0] == size)
   for path, leaf in leaves:
     if jnp.shape(leaf)[0] != size:
@@ -89,10 +94,12 @@ def microbatch_of(batch: Any, num_microbatches: int) -> Callable[[jax.Array], An
   The batch is reshaped into ``[num_microbatches, n, ...]`` blocks once, outside the loop
   (:func:`~optax_gsam._src.core.arrays.split_rows`), and a micro-batch is the block picked
   along that new leading axis. A slice at a traced offset along the rows themselves, which a
-  data-parallel sharding splits over the devices, makes XLA gather the whole batch onto every
-  device first: on the GPU compiler, a ViT-L/16 step at 128 images per GPU kept a second,
-  global copy of the images (1024 of them in float32, 588 MiB per GPU). The blocks axis is
-  not sharded, so each device reads its own rows of each micro-batch.
+  data-parallel sharding splits over the devices, made XLA gather the whole batch onto every
+  device first, under any axes: on the GPU compiler, a ViT-L/16 step at 128 images per GPU
+  kept a second, global copy of the images (1024 of them in float32, 588 MiB per GPU). Under
+  explicit axes the blocks keep the batch's row layout, so only each device's share of a
+  micro-batch moves (an all-to-all); under Auto axes XLA chooses, from the loss's own
+  constraint on its input where there is one (without it, it may gather a few blocks).
   """
   size = jax.tree.leaves(batch)[0].shape[0] // num_microbatches
   blocks, _ = split_rows(batch, size)
