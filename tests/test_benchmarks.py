@@ -413,6 +413,8 @@ def test_pareto_trajectory_pairs_smoke(tmp_path):
   assert mesa_every["base_steps"] == pytest.approx(1.0 + mesa_every["full_fraction"] + forward)
   for row in rows.values():
     assert 0.0 <= row["acc_mean"] <= 1.0 and math.isfinite(row["train_loss_mean"])
+  with pytest.raises(SystemExit, match="add --joint"):
+    pareto.main(["--quick", "--contenders", "saf+every-20", "--out-dir", str(tmp_path)])
 
 
 def test_trajectory_pair_steps_follow_the_formulas():

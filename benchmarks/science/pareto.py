@@ -49,6 +49,7 @@ from benchmarks.science.pareto_contenders import JOINT_LR_GRIDS
 from benchmarks.science.pareto_contenders import LR_GRIDS
 from benchmarks.science.pareto_contenders import QUICK_COMPILER_OPTIONS
 from benchmarks.science.pareto_contenders import TRAJECTORY_GRIDS
+from benchmarks.science.pareto_contenders import TRAJECTORY_PAIRS
 from benchmarks.science.pareto_contenders import TUNE_SEEDS
 from benchmarks.science.pareto_contenders import TUNED_WITH
 from benchmarks.science.pareto_contenders import grids
@@ -400,6 +401,9 @@ def main(argv: list[str] | None = None) -> dict:
   args = parse_args(argv)
   if not args.joint and (args.base != "adamw" or "mnist1d-ln" in (args.datasets or ())):
     raise SystemExit("--base sgd and mnist1d-ln have grids only under --joint: add --joint.")
+  pairs = sorted(set(args.contenders or ()) & set(TRAJECTORY_PAIRS))
+  if pairs and not args.joint:
+    raise SystemExit(f"{pairs} take their knob from --joint runs (TRAJECTORY_KNOBS): add --joint.")
   if args.replot:  # also the gain shares and target (e) over all the files' rows
     return replot(*args.replot)
   args.mode = "quick" if args.quick else "full"
