@@ -48,7 +48,9 @@ class Trajectory:
 
   def weight_of(self, rho: Any, alpha: Any) -> Any:
     """Lambda for a run whose slots hold ``rho`` and ``alpha``."""
-    return {"rho": rho, "alpha": alpha}.get(self.weight, self.weight)  # type: ignore[call-overload]
+    if self.weight == "rho":
+      return rho
+    return alpha if self.weight == "alpha" else self.weight
 
 
 def trajectory_step(
