@@ -14,10 +14,31 @@ def python_blocks(page: pathlib.Path) -> list[str]:
   return BLOCK.findall(page.read_text())
 
 
+# The pages whose examples take over 10 s on two cores: they run apart (-m long_examples), under
+# each instruction set CI checks, so the README's suite stays inside its time on two cores.
+LONG_PAGES = frozenset(
+  {
+    "docs/directions.md",
+    "docs/equinox.md",
+    "docs/flax.md",
+    "docs/gradient_cache.md",
+    "docs/haiku.md",
+    "docs/large_batches.md",
+    "docs/sharded.md",
+    "docs/sharpness.md",
+  }
+)
+
+
 def _marked(page: pathlib.Path):
-  """A page whose examples compute in float16 is marked ``float16`` (conftest.py)."""
-  uses_float16 = any("float16" in block for block in python_blocks(page))
-  return pytest.param(page, marks=pytest.mark.float16) if uses_float16 else page
+  """A page's parameter, marked ``float16`` where its examples compute in float16 (conftest.py)
+  and ``long_examples`` where they are among the slowest."""
+  marks = []
+  if any("float16" in block for block in python_blocks(page)):
+    marks.append(pytest.mark.float16)
+  if str(page.relative_to(ROOT)) in LONG_PAGES:
+    marks.append(pytest.mark.long_examples)
+  return pytest.param(page, marks=marks)
 
 
 @pytest.mark.parametrize(
@@ -27,6 +48,11 @@ def test_page_examples_run(page, capsys):
   namespace = {"__name__": f"docs_{page.stem}"}
   for block in python_blocks(page):
     exec(compile(block, str(page), "exec"), namespace)
+
+
+def test_the_long_pages_exist():
+  """A renamed page must not drop out of every run."""
+  assert all((ROOT / page).is_file() for page in LONG_PAGES)
 
 
 def test_every_test_named_in_the_docs_exists():
