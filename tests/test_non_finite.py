@@ -259,3 +259,82 @@ def test_on_nonfinite_clean_under_per_device_perturbation(kind, data_mesh):
   expected = jax.tree.map(lambda g: g * jnp.mean(1.0 + x), jax.grad(loss_jax)(p))
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), updates, expected)
   assert int(state.fallback_count) == 1 and int(state.full_steps) == 0
+
+
+# --- The decomposition's verdict, read from its statistics -------------------------------------
+
+BIG = 3.0e38  # near float32's largest finite value
+
+
+def _decomposed_reference(clean, perturbed, alpha, minimize_fp):
+  """GSAM's output from its formula in float64, then rounded to float32 entry by entry."""
+  c, p = np.asarray(clean, np.float64), np.asarray(perturbed, np.float64)
+  base, other = (p, c) if minimize_fp else (c, p)
+  with np.errstate(all="ignore"):
+    projected = other - (other @ base) / (base @ base) * base if base @ base else other
+    sign = -1.0 if minimize_fp else 1.0
+    return (base + sign * alpha * projected).astype(np.float32)
+
+
+PAIRS = {
+  "ordinary": ([0.5, -1.0, 2.0], [1.0, 0.25, -3.0]),
+  "tiny": ([1e-30, -2e-31, 0.0], [3e-31, 1e-30, 1e-32]),
+  "zero perturbed": ([1.0, 2.0, 3.0], [0.0, 0.0, 0.0]),
+  "large and finite": ([1e30, -2e30, 0.0], [3e30, 1e29, -1e30]),
+  "overflows": ([-BIG, BIG, 0.0], [BIG, BIG, 0.0]),  # g_p - g_c overflows in its first entry
+  "inf clean": ([np.inf, 1.0, 0.0], [1.0, 2.0, 3.0]),
+  "nan perturbed": ([1.0, 2.0, 3.0], [np.nan, 1.0, 0.0]),
+}
+
+
+@pytest.mark.parametrize("form", ["this backend's", "one pass (GPU, TPU)"])
+@pytest.mark.parametrize("minimize_fp", [True, False])
+@pytest.mark.parametrize("pair", PAIRS, ids=str)
+def test_the_decompositions_verdict_is_its_outputs_finiteness(pair, minimize_fp, form):
+  """Without a reduction of the output: True exactly where every entry of the output is finite,
+  for both forms of the statistics (the CPU's two-pass and the accelerators' one-pass sums)."""
+  from optax_gsam._src.directions import perturbation as pert
+  from optax_gsam._src.directions.finite_output import decomposed_is_finite
+
+  clean, perturbed = (jnp.asarray(x, jnp.float32) for x in PAIRS[pair])
+  if form == "this backend's":
+    stats = optax_gsam.gradient_stats(clean, perturbed)
+  else:
+    stats = pert.GradientStats(*pert._one_pass_pair_stats(clean, perturbed))
+  alpha = 1.0
+  verdict = decomposed_is_finite(stats, alpha, minimize_fp=minimize_fp, eps=EPS, like=clean)
+  reference = _decomposed_reference(PAIRS[pair][0], PAIRS[pair][1], alpha, minimize_fp)
+  output = optax_gsam.decompose(clean, perturbed, alpha, minimize_fp=minimize_fp, stats=stats)
+  assert bool(verdict) == bool(np.all(np.isfinite(reference))), (verdict, reference)
+  assert bool(verdict) == bool(jnp.all(jnp.isfinite(output))), (verdict, output)
+
+
+def test_a_float16_output_is_checked_itself():
+  """float16 overflows far below the bound the verdict reads: its entries are checked instead."""
+  from optax_gsam._src.directions.finite_output import decomposed_is_finite
+
+  half = jnp.ones(3, jnp.float16)
+  stats = optax_gsam.gradient_stats(half, half)
+  assert decomposed_is_finite(stats, 0.5, minimize_fp=True, eps=EPS, like=half) is None
+  mixed = {"a": jnp.ones(2, jnp.bfloat16), "b": half}
+  assert decomposed_is_finite(stats, 0.5, minimize_fp=True, eps=EPS, like=mixed) is None
+  assert decomposed_is_finite(stats, 0.5, minimize_fp=True, eps=EPS, like=half.astype(jnp.bfloat16))
+
+
+@pytest.mark.parametrize("on_nonfinite", ["propagate", "clean"])
+def test_a_decomposition_that_overflows_does_not_count(on_nonfinite):
+  """Finite gradients whose decomposition overflows: the step does not count, as
+  optax.apply_if_finite then skips it; with "clean" the output is the clean gradient, and counts."""
+  clean, perturbed = (jnp.asarray(x, jnp.float32) for x in PAIRS["overflows"])
+  w = jnp.zeros(3)
+  tx = optax_gsam.gsam(RHO, 1.0, on_nonfinite=on_nonfinite)
+  value_and_grad_fn = lambda params: (jnp.float32(1.0), perturbed)
+  update = jax.jit(lambda s: tx.update(clean, s, w, value_and_grad_fn=value_and_grad_fn))
+  out, state = update(tx.init(w))
+  assert int(state.full_steps) == 0
+  if on_nonfinite == "clean":  # the clean gradient is finite: that step counts
+    np.testing.assert_array_equal(out, clean)
+    assert int(state.fallback_count) == 1 and int(state.count) == 1
+  else:
+    assert not bool(jnp.all(jnp.isfinite(out)))
+    assert int(state.count) == 0

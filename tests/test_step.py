@@ -7,6 +7,7 @@ from _problems import optimization_barriers
 
 import optax_gsam
 from optax_gsam._src.microbatches import microbatch
+from optax_gsam._src.step import hyperparams
 from optax_gsam._src.step import step
 
 
@@ -27,13 +28,16 @@ def settings(**overrides):
 
 def test_hyperparams_static_rho_is_decided_in_python_and_zero_rho_zeroes_the_reuse_weight():
   reuse = optax_gsam.every_k_policy(2, reuse_weight=0.5)
-  static = step.hyperparams_at(0.0, reuse, jnp.int32(3))
+  static = hyperparams.hyperparams_at(0.0, reuse, jnp.int32(3))
   assert static.rho_positive is False
   assert float(static.reuse_weight) == 0.0
-  scheduled = step.hyperparams_at(lambda c: 0.1 * c, reuse, jnp.int32(3))
+  scheduled = hyperparams.hyperparams_at(lambda c: 0.1 * c, reuse, jnp.int32(3))
   assert isinstance(scheduled.rho_positive, jax.Array) and bool(scheduled.rho_positive)
   assert float(scheduled.reuse_weight) == 0.5
-  assert step.hyperparams_at(0.1, optax_gsam.every_step_policy(), jnp.int32(0)).reuse_weight is None
+  assert (
+    hyperparams.hyperparams_at(0.1, optax_gsam.every_step_policy(), jnp.int32(0)).reuse_weight
+    is None
+  )
 
 
 def test_choose_runs_one_branch_statically_and_a_cond_otherwise():
@@ -69,7 +73,7 @@ def test_cond_puts_the_full_step_first_behind_an_optimization_barrier():
 
 def test_decide_folds_zero_rho_into_every_policy_but_the_default():
   grads = {"w": jnp.ones(3)}
-  zero = step.hyperparams_at(lambda c: 0.0 * c, optax_gsam.every_k_policy(1), jnp.int32(0))
+  zero = hyperparams.hyperparams_at(lambda c: 0.0 * c, optax_gsam.every_k_policy(1), jnp.int32(0))
   for policy in (
     optax_gsam.every_k_policy(1),
     optax_gsam.random_policy(1.0, key=jax.random.key(0)),
@@ -84,11 +88,11 @@ def test_decide_folds_zero_rho_into_every_policy_but_the_default():
 def test_unusable_schedule_values_zero_the_radius_and_the_reuse_weight():
   reuse = optax_gsam.every_k_policy(2, reuse_weight=0.5)
   for value in (jnp.nan, jnp.inf, -0.1):
-    hyper = step.hyperparams_at(lambda c, v=value: v + 0.0 * c, reuse, jnp.int32(1))
+    hyper = hyperparams.hyperparams_at(lambda c, v=value: v + 0.0 * c, reuse, jnp.int32(1))
     assert not bool(hyper.rho_ok) and not bool(hyper.rho_positive), value
     assert float(hyper.safe_rho) == 0.0 and float(hyper.reuse_weight) == 0.0
     assert bool(step.rho_unusable(hyper))
-  assert step.rho_unusable(step.hyperparams_at(0.0, reuse, jnp.int32(0))) is False
+  assert step.rho_unusable(hyperparams.hyperparams_at(0.0, reuse, jnp.int32(0))) is False
 
 
 def test_reduce_over_axis_averages_what_differs_per_device():
@@ -123,7 +127,7 @@ def _bad_full_result():
 
 def test_fallback_is_decided_on_scalars_and_selects_the_clean_gradient():
   clean = {"w": jnp.array([0.5, -0.5])}
-  good_rho = step.hyperparams_at(0.1, optax_gsam.every_step_policy(), jnp.int32(0))
+  good_rho = hyperparams.hyperparams_at(0.1, optax_gsam.every_step_policy(), jnp.int32(0))
   bad = _bad_full_result()
   assert step.needs_fallback(settings(), good_rho, bad) is False  # "propagate" never falls back
   flag = step.needs_fallback(settings(on_nonfinite="clean"), good_rho, bad)
@@ -131,7 +135,7 @@ def test_fallback_is_decided_on_scalars_and_selects_the_clean_gradient():
   np.testing.assert_array_equal(out.gradient["w"], clean["w"])
   finite = bad._replace(gradient=clean, diagnostics=bad.diagnostics._replace(perturbed_loss=1.0))
   assert not bool(step.needs_fallback(settings(on_nonfinite="clean"), good_rho, finite))
-  nan_rho = step.hyperparams_at(lambda c: jnp.nan * c, optax_gsam.every_step_policy(), 0)
+  nan_rho = hyperparams.hyperparams_at(lambda c: jnp.nan * c, optax_gsam.every_step_policy(), 0)
   assert bool(step.needs_fallback(settings(), nan_rho, finite))  # a NaN rho always falls back
 
 
@@ -139,7 +143,12 @@ def test_what_a_full_step_learns_is_kept_only_from_a_finite_step_that_did_not_fa
   previous = {"w": jnp.ones(2)}
   bad = _bad_full_result()
   outcome = step.Outcome(
-    bad.gradient, bad.stored_direction, bad.diagnostics, jnp.asarray(True), jnp.asarray(False)
+    bad.gradient,
+    bad.stored_direction,
+    bad.diagnostics,
+    full=jnp.asarray(True),
+    fell_back=jnp.asarray(False),
+    finite=jnp.asarray(False),
   )
   keep = lambda outcome: step.keep_learned(outcome, outcome.stored_direction, previous)["w"]
   np.testing.assert_array_equal(keep(outcome), previous["w"])
@@ -147,7 +156,7 @@ def test_what_a_full_step_learns_is_kept_only_from_a_finite_step_that_did_not_fa
   diagnostics = bad.diagnostics._replace(perturbed_loss=jnp.float32(1.0))
   outcome = outcome._replace(stored_direction=good, diagnostics=diagnostics)
   np.testing.assert_array_equal(keep(outcome), previous["w"])  # the output is still NaN
-  outcome = outcome._replace(gradient=good)
+  outcome = outcome._replace(gradient=good, finite=jnp.asarray(True))
   np.testing.assert_array_equal(keep(outcome), good["w"])
   np.testing.assert_array_equal(keep(outcome._replace(fell_back=jnp.asarray(True))), previous["w"])
   np.testing.assert_array_equal(keep(outcome._replace(full=jnp.asarray(False))), previous["w"])

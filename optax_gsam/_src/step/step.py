@@ -1,6 +1,6 @@
 """The stages of one gsam/sam update, in the order :func:`replicated_update` runs them.
 
-1. the hyperparameters at the step (:func:`hyperparams_at`);
+1. the hyperparameters at the step (:func:`~optax_gsam._src.step.hyperparams.hyperparams_at`);
 2. the policy's choice between the full and the cheap step (:func:`decide`,
    then :func:`choose`: a static branch or a ``lax.cond``);
 3. the full step of one replica: the ascent (:func:`ascend`: the direction,
@@ -36,15 +36,15 @@ from optax_gsam._src.core.arrays import all_finite
 from optax_gsam._src.core.arrays import conform
 from optax_gsam._src.core.arrays import materialized_on_tpu
 from optax_gsam._src.core.arrays import same_layout
-from optax_gsam._src.core.validation import finite_non_negative
 from optax_gsam._src.core.validation import is_real_number
 from optax_gsam._src.directions import perturbation as pert
 from optax_gsam._src.directions.ascent import ascent_from_adaptive
 from optax_gsam._src.directions.ascent import resolve_mask
 from optax_gsam._src.directions.ascent import select_leaves
+from optax_gsam._src.directions.finite_output import decomposed_is_finite
 from optax_gsam._src.microbatches.microbatch import average_over
 from optax_gsam._src.policies.policies import SharpnessPolicy
-from optax_gsam._src.policies.schedules import value_at
+from optax_gsam._src.step.hyperparams import Hyperparams
 from optax_gsam._src.step.isolation import isolated_on_gpu
 from optax_gsam.typing import Adaptive
 from optax_gsam.typing import AxisName
@@ -94,19 +94,6 @@ class Settings(NamedTuple):
     return bool(is_real_number(self.alpha) and self.alpha == 0 and self.minimize_fp)
 
 
-class Hyperparams(NamedTuple):
-  """Stage 1: the hyperparameters at this step.
-
-  Python bools where rho is a static number, so that nothing is traced for them.
-  """
-
-  rho: jax.Array  # rho_t as given, for the state
-  safe_rho: jax.Array  # rho_t where it is a finite number >= 0, else 0
-  rho_ok: bool | jax.Array  # rho_t (and an injected alpha) are finite numbers >= 0
-  rho_positive: bool | jax.Array
-  reuse_weight: jax.Array | None  # only for policies that store a direction
-
-
 class Diagnostics(NamedTuple):
   """What a full step reports; float32 scalars, stored in :class:`optax_gsam.GSAMState`."""
 
@@ -129,6 +116,9 @@ class BranchResult(NamedTuple):
   stored_direction: optax.Updates | None = None
   diagnostics: Diagnostics | None = None
   ascent_state: Any = None
+  # Whether g and g_c are finite, where the statistics tell without a reduction of g's own.
+  finite: jax.Array | None = None
+  clean_finite: jax.Array | None = None
 
 
 class Outcome(NamedTuple):
@@ -139,6 +129,7 @@ class Outcome(NamedTuple):
   diagnostics: Diagnostics
   full: jax.Array  # bool: the full step ran
   fell_back: jax.Array  # bool: the output is the clean gradient instead of the full step's
+  finite: jax.Array  # bool: every entry of the output is finite
   ascent_state: Any = None
 
 
@@ -161,35 +152,6 @@ def pmean_inexact(tree: Any, axis_name: AxisName) -> Any:
   for i, mean in zip(inexact, means, strict=True):
     leaves[i] = mean
   return jax.tree.unflatten(treedef, leaves)
-
-
-def hyperparams_at(
-  rho: optax.ScalarOrSchedule,
-  policy: SharpnessPolicy,
-  count: jax.Array,
-  alpha: float | jax.Array = 0.0,
-) -> Hyperparams:
-  """Stage 1: rho_t, whether it is usable, and the reuse weight (0 where no full step would run).
-
-  A traced ``alpha`` (injected) is checked here like rho_t: where it is not a
-  finite number >= 0, rho_ok is False and the step outputs the clean gradient.
-  """
-  rho_t = value_at(rho, count)
-  rho_ok: bool | jax.Array
-  rho_positive: bool | jax.Array
-  if is_real_number(rho) and is_real_number(alpha):  # Validated at construction.
-    rho_ok, rho_positive, safe_rho = True, bool(rho > 0), rho_t
-  else:  # A schedule (or an injected array) can give anything; see fall_back_to_clean.
-    rho_ok = finite_non_negative(rho_t) & finite_non_negative(alpha)
-    rho_positive = rho_ok & (rho_t > 0)
-    safe_rho = jnp.where(rho_ok, rho_t, jnp.zeros_like(rho_t))
-  weight = None
-  if policy.stores_direction:
-    weight = value_at(policy.reuse_weight, count)
-    usable = rho_positive if policy.skip_zero_rho else rho_ok  # At radius 0, g = g_c.
-    if usable is not True:
-      weight = jnp.where(usable, weight, jnp.zeros_like(weight))
-  return Hyperparams(rho_t, safe_rho, rho_ok, rho_positive, weight)
 
 
 def decide(
@@ -319,6 +281,13 @@ def full_step(
       eps=settings.eps,
       stats=stats,
     )
+  finite = clean_finite = None
+  if stats is not None and not settings.is_sam:  # SAM checks g_p in the statistics' round
+    finite = decomposed_is_finite(
+      stats, settings.alpha, minimize_fp=settings.minimize_fp, eps=settings.eps, like=clean_grads
+    )
+    # Exact, and in the round of the ascent's norm: it reads g_c alone.
+    clean_finite = all_finite(clean_grads)
   gap = perturbed_loss - clean_loss if clean_loss is not None else jnp.zeros([], jnp.float32)
   if not settings.diagnostics:
     # SAM then reads the clean gradient only in the ascent, so XLA frees it before the perturbed
@@ -336,7 +305,7 @@ def full_step(
   stored = None
   if settings.policy.stores_direction:
     stored = pert.reuse_component(gradient, clean_grads, eps=settings.eps)
-  return BranchResult(gradient, stored, diagnostics, ascent_state)
+  return BranchResult(gradient, stored, diagnostics, ascent_state, finite, clean_finite)
 
 
 def cheap_step(
@@ -367,7 +336,8 @@ def reduce_over_axis(settings: Settings, result: BranchResult) -> BranchResult:
   if settings.axis_name is None:
     return result
   if settings.per_device:  # Output, stored direction, scalars and state: one all-reduce.
-    return pmean_inexact(result, settings.axis_name)
+    # The verdicts are each device's own, of its own output.
+    return pmean_inexact(result._replace(finite=None, clean_finite=None), settings.axis_name)
   # Synchronized: the gradients are global already; only the local losses differ.
   if result.diagnostics is None:
     return result
@@ -391,7 +361,7 @@ def needs_fallback(
   flag = rho_unusable(hyper)
   if settings.on_nonfinite == "clean":
     assert result.diagnostics is not None
-    bad = ~(all_finite(result.gradient) & jnp.isfinite(result.diagnostics.perturbed_loss))
+    bad = ~(gradient_finite(result) & jnp.isfinite(result.diagnostics.perturbed_loss))
     if any_axis is not None:  # one verdict for all replicas (int32: every backend reduces it)
       bad = jax.lax.pmax(bad.astype(jnp.int32), any_axis) > 0
     flag = flag | bad
@@ -421,7 +391,15 @@ def fall_back_to_clean(
   gradient = jax.tree.map(
     lambda c, g: jnp.where(flag, c, g), conform(clean_grads, result.gradient), result.gradient
   )
-  return result._replace(gradient=gradient)
+  finite = None
+  if result.finite is not None and result.clean_finite is not None:
+    finite = jnp.where(flag, result.clean_finite, result.finite)
+  return result._replace(gradient=gradient, finite=finite)
+
+
+def gradient_finite(result: BranchResult) -> jax.Array:
+  """Whether ``result``'s gradient is finite: its verdict where known, else a check of it."""
+  return all_finite(result.gradient) if result.finite is None else result.finite
 
 
 class StepContext(NamedTuple):
@@ -455,8 +433,9 @@ def _outcome(
   if context.ascent_state is not None:
     ascent_state = conform(ascent_state, context.ascent_state)
   gradient = conform(result.gradient, like)
-  fell_back = jnp.asarray(fallback) & all_finite(gradient)
-  return Outcome(gradient, stored, diagnostics, jnp.asarray(full), fell_back, ascent_state)
+  finite = gradient_finite(result._replace(gradient=gradient))
+  fell_back = jnp.asarray(fallback) & finite
+  return Outcome(gradient, stored, diagnostics, jnp.asarray(full), fell_back, finite, ascent_state)
 
 
 def replicated_update(
@@ -558,7 +537,8 @@ def grouped_update(
       clean_loss,
       context.ascent_state,
     )
-    return result, (clean_grads if keep_clean else None)
+    # The groups' mean is checked as a whole: one group's verdicts do not carry over to it.
+    return result._replace(finite=None, clean_finite=None), (clean_grads if keep_clean else None)
 
   def full() -> Outcome:
     result, clean_average = average_over(num_groups, full_of)
@@ -585,6 +565,6 @@ def keep_learned(outcome: Outcome, learned: Any, previous: Any) -> Any:
     return learned
   perturbed_loss_ok = jnp.isfinite(outcome.diagnostics.perturbed_loss)
   keep = outcome.full & all_finite(learned) & perturbed_loss_ok & ~outcome.fell_back
-  keep = keep & all_finite(outcome.gradient)
+  keep = keep & outcome.finite
   learned = conform(learned, previous)
   return jax.tree.map(lambda new, old: jnp.where(keep, new, old), learned, previous)

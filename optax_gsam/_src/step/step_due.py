@@ -13,6 +13,7 @@ from optax_gsam._src.fine_tuning.frozen import FrozenOrFn
 from optax_gsam._src.fine_tuning.frozen import trained_part
 from optax_gsam._src.policies.policies import SharpnessPolicy
 from optax_gsam._src.policies.policies import policy_from_arguments
+from optax_gsam._src.step import hyperparams
 from optax_gsam._src.step import step
 from optax_gsam._src.step.state import GSAMState
 from optax_gsam.typing import AxisName
@@ -90,6 +91,6 @@ def full_step_due(
     )
   if frozen is not None:
     grads = trained_part(frozen, grads)
-  hyper = step.hyperparams_at(rho, policy, state.count)
+  hyper = hyperparams.hyperparams_at(rho, policy, state.count)
   due, _ = step.decide(policy, state.policy_state, state.count, hyper, grads, axis_name)
   return jnp.asarray(due)

@@ -22,7 +22,6 @@ from optax_gsam._src.calls.placement import check_not_in_multisteps
 from optax_gsam._src.calls.placement import check_placement
 from optax_gsam._src.calls.user_functions import read_update_arguments
 from optax_gsam._src.calls.user_functions import scalar_loss
-from optax_gsam._src.core.arrays import all_finite
 from optax_gsam._src.core.arrays import numbers_as_arrays
 from optax_gsam._src.core.keywords import takes_keywords
 from optax_gsam._src.directions.ascent_checks import check_direction
@@ -34,6 +33,7 @@ from optax_gsam._src.policies.policies import (
 )
 from optax_gsam._src.policies.policies import keep_unless_counted
 from optax_gsam._src.policies.policies import policy_from_arguments
+from optax_gsam._src.step import hyperparams
 from optax_gsam._src.step import step
 from optax_gsam._src.step.state import GSAMState
 from optax_gsam._src.transforms.gsam_arguments import SHARPNESS_DEFAULTS
@@ -52,7 +52,7 @@ if TYPE_CHECKING:  # PEP 692's Unpack is typing's own from Python 3.12
 
 def _next_state(
   state: GSAMState,
-  hyper: step.Hyperparams,
+  hyper: hyperparams.Hyperparams,
   outcome: step.Outcome,
   policy_state: Any,
   evaluations: tuple[int, int],
@@ -106,14 +106,16 @@ def _run_stages(context, updates, params, grad_fn, clean_loss, perturb, inputs):
   return outcome, policy_state, (ascent_steps + accumulating, accumulating)
 
 
-def _checked_before_use(gradient: optax.Updates) -> tuple[optax.Updates, jax.Array]:
+def _checked_before_use(
+  gradient: optax.Updates, finite: jax.Array
+) -> tuple[optax.Updates, jax.Array]:
   """The output and whether it is finite, the check ordered before the output's readers on CPU.
 
   XLA's CPU compiler may otherwise schedule the check's reduction after the stages of the chain
   that read the output, which then cannot write their results over it: one params-sized
   buffer more (SAM with micro-batches before SGD, tests/test_microbatches.py).
   """
-  checked = (gradient, all_finite(gradient))
+  checked = (gradient, finite)
   return jax.lax.platform_dependent(
     checked, cpu=jax.lax.optimization_barrier, default=lambda pair: pair
   )
@@ -153,7 +155,7 @@ def _update_fn(settings: step.Settings, rho: optax.ScalarOrSchedule, check_axis:
     params = numbers_as_arrays(params)
     inputs = micro.MicrobatchInputs(call.batch, call.key, call.model_state)
     check_update(updates, state, params, call.perturb, settings, check_axis, inputs)
-    hyper = step.hyperparams_at(rho, settings.policy, state.count, settings.alpha)
+    hyper = hyperparams.hyperparams_at(rho, settings.policy, state.count, settings.alpha)
     context = step.StepContext(
       settings,
       hyper,
@@ -168,7 +170,7 @@ def _update_fn(settings: step.Settings, rho: optax.ScalarOrSchedule, check_axis:
     outcome, policy_state, evaluations = _run_stages(
       context, updates, params, grad_fn, clean_loss, call.perturb, inputs
     )
-    gradient, counts = _checked_before_use(outcome.gradient)
+    gradient, counts = _checked_before_use(outcome.gradient, outcome.finite)
     outcome = outcome._replace(gradient=gradient)
     return gradient, _next_state(state, hyper, outcome, policy_state, evaluations, counts)
 

@@ -1,0 +1,82 @@
+"""Whether GSAM's decomposed gradient is finite, read from the statistics it was built from.
+
+A step checks its output before the state counts it (``optax.apply_if_finite`` then skips the
+same steps). On a sharded gradient that check is a reduction over every shard: one more round of
+all-reduces after the decomposition, which needs its own round for the statistics. The
+statistics already hold what the check asks, so the decomposition's output needs no round of its
+own.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from optax_gsam._src.directions.perturbation import GradientStats
+
+# Below this bound no entry of the output, nor any value computed on the way, comes near the
+# largest finite float32 or bfloat16 (about 2^128): the factor of 16 covers the rounding of the
+# norms and of the three operations per entry many times over.
+_SAFE_BOUND = 2.0**124
+
+
+def decomposed_is_finite(
+  stats: GradientStats,
+  alpha: jax.Array | float,
+  *,
+  minimize_fp: bool,
+  eps: jax.Array | float,
+  like: optax.Updates,
+) -> jax.Array | None:
+  r"""Whether every entry of :func:`optax_gsam.decompose`'s output is finite, or ``None``.
+
+  With :math:`b` the gradient the decomposition keeps, :math:`o` the other and
+  :math:`c` the projection's coefficient, each entry of the output is
+  :math:`b_i \pm \alpha (o_i - c\, b_i)`, so
+
+  .. math::
+
+    |g_i| \le \|b\| + |\alpha| \left(\|o\| + |c|\, \|b\|\right),
+
+  since no entry exceeds its tree's norm. The norms are finite exactly when
+  every entry of both gradients is (their sums propagate an infinity or a
+  NaN), and an infinite or NaN entry of either makes the same output entry
+  infinite or NaN. So where the statistics are finite and the bound is below
+  :math:`2^{124}`, the output is finite; where a statistic is not finite, it is
+  not. Above the bound (gradients with norms near :math:`10^{37}`) the answer
+  is ``False``, as for an output that overflowed: the step does not count and,
+  with ``on_nonfinite="clean"``, outputs the clean gradient.
+
+  Args:
+    stats: the pair's :func:`optax_gsam.gradient_stats`.
+    alpha: the decomposition's :math:`\alpha`.
+    minimize_fp: which form of the decomposition.
+    eps: its :math:`\varepsilon`.
+    like: a tree with the output's dtypes.
+
+  Returns:
+    The verdict, a boolean scalar; ``None`` where a leaf's dtype has a narrower
+    range than float32's (float16): an entry may then overflow below the bound,
+    and the caller checks the output itself.
+  """
+  if any(_narrow(x) for x in jax.tree.leaves(like)):
+    return None
+  if minimize_fp:
+    kept, other = stats.perturbed_norm, stats.clean_norm
+  else:
+    kept, other = stats.clean_norm, stats.perturbed_norm
+  coefficient = other * stats.cosine / (kept + eps)
+  bound = kept + jnp.abs(alpha) * (other + jnp.abs(coefficient) * kept)
+  statistics_finite = jnp.isfinite(stats.clean_norm) & jnp.isfinite(stats.perturbed_norm)
+  return statistics_finite & jnp.isfinite(stats.cosine) & (bound < _SAFE_BOUND)
+
+
+def _narrow(leaf: Any) -> bool:
+  """Whether ``leaf`` may hold a value that float32 holds but it does not (or is not a float)."""
+  dtype = jnp.result_type(leaf)
+  if not jnp.issubdtype(dtype, jnp.inexact):
+    return True
+  return float(jnp.finfo(dtype).max) < 2.0**127  # complex: its parts' float
