@@ -321,6 +321,24 @@ def test_a_float16_output_is_checked_itself():
   assert decomposed_is_finite(stats, 0.5, minimize_fp=True, eps=EPS, like=half.astype(jnp.bfloat16))
 
 
+def test_float64_gradients_past_float32s_range_are_finite():
+  """The bound is the output dtype's: float64 norms over float32's bound (2^124, about 2e37) are
+  far inside float64's range."""
+  from optax_gsam._src.directions.finite_output import decomposed_is_finite
+
+  with jax.enable_x64(True):
+    clean = jnp.array([1e37, -2e37, 3.0])
+    perturbed = jnp.array([2e37, 1e36, -1e37])
+    stats = optax_gsam.gradient_stats(clean, perturbed)
+    verdict = decomposed_is_finite(stats, 1.0, minimize_fp=True, eps=EPS, like=clean)
+    assert bool(verdict) and bool(
+      jnp.all(jnp.isfinite(optax_gsam.decompose(clean, perturbed, 1.0)))
+    )
+    overflows = jnp.array([1.5e308, 1.5e308, 0.0]), jnp.array([1.5e308, -1.5e308, 0.0])
+    stats = optax_gsam.gradient_stats(*overflows)
+    assert not bool(decomposed_is_finite(stats, 1.0, minimize_fp=True, eps=EPS, like=clean))
+
+
 @pytest.mark.parametrize("on_nonfinite", ["propagate", "clean"])
 def test_a_decomposition_that_overflows_does_not_count(on_nonfinite):
   """Finite gradients whose decomposition overflows: the step does not count, as

@@ -17,10 +17,10 @@ import optax
 
 from optax_gsam._src.directions.perturbation import GradientStats
 
-# Below this bound no entry of the output, nor any value computed on the way, comes near the
-# largest finite float32 or bfloat16 (about 2^128): the factor of 16 covers the rounding of the
+# Below the largest finite value of the output's dtypes over this margin, no entry of the output,
+# nor any value computed on the way, comes near that value: the factor covers the rounding of the
 # norms and of the three operations per entry many times over.
-_SAFE_BOUND = 2.0**124
+_MARGIN = 16.0
 
 
 def decomposed_is_finite(
@@ -45,10 +45,11 @@ def decomposed_is_finite(
   every entry of both gradients is (their sums propagate an infinity or a
   NaN), and an infinite or NaN entry of either makes the same output entry
   infinite or NaN. So where the statistics are finite and the bound is below
-  :math:`2^{124}`, the output is finite; where a statistic is not finite, it is
-  not. Above the bound (gradients with norms near :math:`10^{37}`) the answer
-  is ``False``, as for an output that overflowed: the step does not count and,
-  with ``on_nonfinite="clean"``, outputs the clean gradient.
+  the output dtype's largest value over 16 (:math:`2^{124}` for float32 and
+  bfloat16), the output is finite; where a statistic is not finite, it is not.
+  Above the bound (float32 gradients with norms near :math:`10^{37}`) the
+  answer is ``False``, as for an output that overflowed: the step does not
+  count and, with ``on_nonfinite="clean"``, outputs the clean gradient.
 
   Args:
     stats: the pair's :func:`optax_gsam.gradient_stats`.
@@ -62,8 +63,10 @@ def decomposed_is_finite(
     range than float32's (float16): an entry may then overflow below the bound,
     and the caller checks the output itself.
   """
-  if any(_narrow(x) for x in jax.tree.leaves(like)):
+  leaves = jax.tree.leaves(like)
+  if any(_narrow(x) for x in leaves):
     return None
+  largest = min((float(jnp.finfo(jnp.result_type(x)).max) for x in leaves), default=jnp.inf)
   if minimize_fp:
     kept, other = stats.perturbed_norm, stats.clean_norm
   else:
@@ -71,7 +74,7 @@ def decomposed_is_finite(
   coefficient = other * stats.cosine / (kept + eps)
   bound = kept + jnp.abs(alpha) * (other + jnp.abs(coefficient) * kept)
   statistics_finite = jnp.isfinite(stats.clean_norm) & jnp.isfinite(stats.perturbed_norm)
-  return statistics_finite & jnp.isfinite(stats.cosine) & (bound < _SAFE_BOUND)
+  return statistics_finite & jnp.isfinite(stats.cosine) & (bound < largest / _MARGIN)
 
 
 def _narrow(leaf: Any) -> bool:
