@@ -108,6 +108,31 @@ def test_each_backends_norms_are_exact_across_float32s_range(form, scale):
 
 
 @pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("scale", [0.0, 1e-25, 1e-20, 1.0, 1e19, 1.8e19])
+@pytest.mark.parametrize("shape", [(), (1,)], ids=["scalar", "size 1"])
+def test_each_backends_norms_of_trees_with_a_one_entry_leaf_compiled(form, scale, shape):
+  """Compiled, a one-entry leaf's scaled products are scalars to XLA's simplifier, which folded
+  their two factors of 2^72 into 2^144 (inf in float32; 2^-144 is 0): a zero or tiny gradient's
+  norm was NaN, a huge one's cosine 3.6e16. Against float64 numpy."""
+  norm, pair_stats = FORMS[form]
+  a = {f"s{i}": jnp.full(shape, scale * (i + 1), jnp.float32) for i in range(4)}
+  b = {f"s{i}": jnp.full(shape, scale / (i + 1), jnp.float32) for i in range(4)}
+  a["w"], b["w"] = jnp.array([scale, 0.0]), jnp.array([scale / 2, 0.0])
+  fa, fb = (np.concatenate([np.ravel(np.float64(x)) for x in jax.tree.leaves(t)]) for t in (a, b))
+  expected = (
+    np.linalg.norm(fa),
+    np.linalg.norm(fb),
+    (fa @ fb / np.linalg.norm(fa) / np.linalg.norm(fb) if scale else 0.0),
+  )
+  norm_a, norm_b, cos = jax.jit(pair_stats)(a, b)
+  np.testing.assert_allclose(
+    [float(jax.jit(norm)(a)), float(norm_a), float(norm_b), float(cos)],
+    [expected[0], *expected],
+    rtol=1e-5,
+  )
+
+
+@pytest.mark.parametrize("form", FORMS)
 def test_each_backends_norms_of_zero_bfloat16_complex_and_float64_trees(form):
   norm, pair_stats = FORMS[form]
   zeros = {"a": jnp.zeros(3), "b": jnp.zeros((0,))}

@@ -41,7 +41,8 @@ def decomposed_is_finite(
 
     |g_i| \le \|b\| + |\alpha| \left(\|o\| + |c|\, \|b\|\right),
 
-  since no entry exceeds its tree's norm. The norms are finite exactly when
+  since no entry exceeds its tree's norm (and :math:`|o_i - c\, b_i|`, computed
+  on the way, is at most the parenthesis). The norms are finite exactly when
   every entry of both gradients is (their sums propagate an infinity or a
   NaN), and an infinite or NaN entry of either makes the same output entry
   infinite or NaN. So where the statistics are finite and the bound is below
@@ -59,27 +60,30 @@ def decomposed_is_finite(
     like: a tree with the output's dtypes.
 
   Returns:
-    The verdict, a boolean scalar; ``None`` where a leaf's dtype has a narrower
-    range than float32's (float16): an entry may then overflow below the bound,
-    and the caller checks the output itself.
+    The verdict, a boolean scalar; ``None`` where a leaf's dtype is not one of
+    float32's range (float16 overflows below the bound; float64's statistics
+    overflow long before float64 does): the caller checks the output itself.
   """
   leaves = jax.tree.leaves(like)
-  if any(_narrow(x) for x in leaves):
+  if not all(_float32s_range(x) for x in leaves):
     return None
-  largest = min((float(jnp.finfo(jnp.result_type(x)).max) for x in leaves), default=jnp.inf)
+  largest = min(float(jnp.finfo(jnp.result_type(x)).max) for x in leaves) if leaves else 1.0
   if minimize_fp:
     kept, other = stats.perturbed_norm, stats.clean_norm
   else:
     kept, other = stats.clean_norm, stats.perturbed_norm
   coefficient = other * stats.cosine / (kept + eps)
-  bound = kept + jnp.abs(alpha) * (other + jnp.abs(coefficient) * kept)
+  projected = other + jnp.abs(coefficient) * kept  # bounds o - c b, computed on the way
+  bound = jnp.maximum(projected, kept + jnp.abs(alpha) * projected)
   statistics_finite = jnp.isfinite(stats.clean_norm) & jnp.isfinite(stats.perturbed_norm)
   return statistics_finite & jnp.isfinite(stats.cosine) & (bound < largest / _MARGIN)
 
 
-def _narrow(leaf: Any) -> bool:
-  """Whether ``leaf`` may hold a value that float32 holds but it does not (or is not a float)."""
+def _float32s_range(leaf: Any) -> bool:
+  """Whether ``leaf`` is a float with float32's range of exponents (float32, bfloat16,
+  complex64). float16 overflows below the bound; float64's statistics, kept within float32's
+  range, overflow long before float64 does."""
   dtype = jnp.result_type(leaf)
   if not jnp.issubdtype(dtype, jnp.inexact):
-    return True
-  return float(jnp.finfo(dtype).max) < 2.0**127  # complex: its parts' float
+    return False
+  return 2.0**127 <= float(jnp.finfo(dtype).max) <= float(jnp.finfo(jnp.float32).max)

@@ -243,14 +243,22 @@ class _RangeSums(NamedTuple):
   up: jax.Array  # the sum times 2^144
 
 
+def _opaque_scale() -> jax.Array:
+  """2^72 as a value XLA cannot see: its simplifier folds ``(p * c) * (q * c)`` of scalars into
+  ``p * q * c^2``, and 2^144 overflows float32 (2^-144 flushes to 0)."""
+  return jax.lax.optimization_barrier(jnp.float32(_RANGE_SCALE))
+
+
 def _range_sums(a: optax.Params, b: optax.Params) -> _RangeSums:
   """:class:`_RangeSums` over two trees of one structure: three sums of each leaf, in one pass."""
   plain = down = up = jnp.zeros((), jnp.float32)
+  scale = _opaque_scale()
   for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
     for p, q in zip(_real_parts(x), _real_parts(y), strict=True):
+      c = scale.astype(p.dtype)
       plain = plain + jnp.sum(p * q)
-      down = down + jnp.sum((p / _RANGE_SCALE) * (q / _RANGE_SCALE))
-      up = up + jnp.sum((p * _RANGE_SCALE) * (q * _RANGE_SCALE))
+      down = down + jnp.sum((p / c) * (q / c))
+      up = up + jnp.sum((p * c) * (q * c))
   return _RangeSums(plain, down, up)
 
 
@@ -301,10 +309,11 @@ def _one_pass_pair_stats(a: optax.Updates, b: optax.Updates) -> tuple[jax.Array,
   dot = _range_sums(a, b)
   inverse_a, inverse_b = _safe_inverse(norm_a), _safe_inverse(norm_b)
   # The scaled sums carry 2^-144 or 2^144; each norm's inverse absorbs half of it.
+  c = _opaque_scale()
   rescaled = jnp.where(
     jnp.isfinite(dot.plain),
-    (dot.up * (inverse_a / _RANGE_SCALE)) * (inverse_b / _RANGE_SCALE),
-    (dot.down * (inverse_a * _RANGE_SCALE)) * (inverse_b * _RANGE_SCALE),
+    (dot.up * (inverse_a / c)) * (inverse_b / c),
+    (dot.down * (inverse_a * c)) * (inverse_b * c),
   )
   accurate = jnp.isfinite(dot.plain) & (norm_a * norm_b >= floor)
   cosine = jnp.where(accurate, dot.plain * inverse_a * inverse_b, rescaled)
