@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import optax
 
 from optax_gsam._src.directions.perturbation import GradientStats
+from optax_gsam._src.directions.perturbation import projection_coefficient
 
 # Below the largest finite value of the output's dtypes over this margin, no entry of the output,
 # nor any value computed on the way, comes near that value: the factor covers the rounding of the
@@ -72,7 +73,7 @@ def decomposed_is_finite(
     kept, other = stats.perturbed_norm, stats.clean_norm
   else:
     kept, other = stats.clean_norm, stats.perturbed_norm
-  coefficient = other * stats.cosine / (kept + eps)
+  coefficient = projection_coefficient(stats, minimize_fp, eps)
   projected = other + jnp.abs(coefficient) * kept  # bounds o - c b, computed on the way
   bound = jnp.maximum(projected, kept + jnp.abs(alpha) * projected)
   statistics_finite = jnp.isfinite(stats.clean_norm) & jnp.isfinite(stats.perturbed_norm)

@@ -449,12 +449,8 @@ def decompose(
   """
   if stats is None:
     stats = gradient_stats(clean_grads, perturbed_grads)
-  if minimize_fp:
-    base, other = perturbed_grads, clean_grads
-    coefficient = stats.clean_norm * stats.cosine / (stats.perturbed_norm + eps)
-  else:
-    base, other = clean_grads, perturbed_grads
-    coefficient = stats.perturbed_norm * stats.cosine / (stats.clean_norm + eps)
+  base, other = (perturbed_grads, clean_grads) if minimize_fp else (clean_grads, perturbed_grads)
+  coefficient = projection_coefficient(stats, minimize_fp, eps)
   sign = -1.0 if minimize_fp else 1.0
 
   def combine(b, o, like):
@@ -462,6 +458,13 @@ def decompose(
     return (b + sign * alpha * (upcast(o) - coefficient * b)).astype(like.dtype)
 
   return jax.tree.map(combine, base, other, clean_grads)
+
+
+def projection_coefficient(stats: GradientStats, minimize_fp: bool, eps: Any) -> jax.Array:
+  """:func:`decompose`'s :math:`c`, the other gradient's projection on the kept one."""
+  if minimize_fp:
+    return stats.clean_norm * stats.cosine / (stats.perturbed_norm + eps)
+  return stats.perturbed_norm * stats.cosine / (stats.clean_norm + eps)
 
 
 def orthogonal_component(
