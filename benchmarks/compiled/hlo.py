@@ -76,6 +76,63 @@ def conditionals(hlo_text: str) -> list[dict[str, int]]:
   return [{"result_bytes": _shape_bytes(shape)} for shape in _CONDITIONAL.findall(hlo_text)]
 
 
+_KERNEL = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*.+?\s+(?:fusion|custom-call)\(.*$", re.M)
+_FRAME = re.compile(r"stack_frame_id=(\d+)")
+
+
+def program_size(hlo_text: str) -> dict[str, int]:
+  """The optimized program's size, which its compile time follows and which, unlike the time,
+  is deterministic: instructions (fused computations' included) and kernels (fusions and
+  library calls, each emitted and compiled on its own by the GPU compiler)."""
+  instructions = sum(1 for line in hlo_text.splitlines() if " = " in line)
+  return {"instructions": instructions, "kernels": len(_KERNEL.findall(hlo_text))}
+
+
+def _stack_tables(hlo_text: str) -> tuple[dict[int, str], dict[int, tuple[int, int]]]:
+  """From the HLO text's trailing tables: each file location's ``file:function``, and each stack
+  frame's (location, parent frame)."""
+  tables: dict[str, dict[int, str]] = {}
+  section = None
+  for line in hlo_text.splitlines():
+    if line in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
+      section = tables.setdefault(line, {})
+    elif section is not None and (found := re.match(r"^(\d+) (.*)$", line)):
+      section[int(found[1])] = found[2]
+    else:
+      section = None
+  fields = lambda text: {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", text)}
+  files, functions = tables.get("FileNames", {}), tables.get("FunctionNames", {})
+  locations = {}
+  for i, text in tables.get("FileLocations", {}).items():
+    f = fields(text)
+    file = files.get(f.get("file_name_id", 0), "?").strip('"')
+    locations[i] = f"{file}:{functions.get(f.get('function_name_id', 0), '?').strip(chr(34))}"
+  frames = {}
+  for i, text in tables.get("StackFrames", {}).items():
+    f = fields(text)
+    frames[i] = (f.get("file_location_id", 0), f.get("parent_frame_id", 0))
+  return locations, frames
+
+
+def kernels_by_origin(hlo_text: str, package: str = "optax_gsam/") -> dict[str, int]:
+  """Kernels of the optimized program by the function of ``package`` that traced each (the
+  innermost on its recorded stack: module and function); "other" for the rest. Reads the stack
+  frames that JAX's lowering records (on by default)."""
+  locations, frames = _stack_tables(hlo_text)
+  counts: dict[str, int] = {}
+  for line in _KERNEL.findall(hlo_text):
+    origin, frame, seen = "other", _FRAME.search(line), set()
+    frame_id = int(frame[1]) if frame else 0
+    while frame_id in frames and frame_id not in seen:
+      seen.add(frame_id)
+      location, frame_id = frames[frame_id]
+      where = locations.get(location, "")
+      if package in where and origin == "other":
+        origin = where.split(package, 1)[1]
+    counts[origin] = counts.get(origin, 0) + 1
+  return dict(sorted(counts.items(), key=lambda item: -item[1]))
+
+
 def analyse(compiled) -> dict[str, Any]:
   """The per-device figures the compiler (TPU or GPU) gives for one compiled step."""
   memory = compiled.memory_analysis()
@@ -98,6 +155,8 @@ def analyse(compiled) -> dict[str, Any]:
   hlo = compiled.as_text()
   row["collectives"] = collectives(hlo)
   row["conditionals"] = conditionals(hlo)
+  row.update(program_size(hlo))
+  row["kernels_by_origin"] = kernels_by_origin(hlo)
   return row
 
 
