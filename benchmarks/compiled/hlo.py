@@ -6,6 +6,7 @@ text; ``tpu_compile.py`` builds the programs.
 
 from __future__ import annotations
 
+import os
 import re
 from typing import Any
 
@@ -27,9 +28,10 @@ def _shape_bytes(shape_text: str) -> int:
   return total
 
 
-_INSTRUCTION = re.compile(
-  r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.+?)\s+(" + "|".join(COLLECTIVES) + r")(-start)?\(", re.M
-)
+# The start of an instruction's line in HLO text: ``[ROOT] [%]name = ``.
+_HEAD = r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*"
+_ANY_INSTRUCTION = re.compile(_HEAD, re.M)
+_INSTRUCTION = re.compile(_HEAD + r"(.+?)\s+(" + "|".join(COLLECTIVES) + r")(-start)?\(", re.M)
 
 
 def _top_level(shape_text: str) -> list[str]:
@@ -65,7 +67,26 @@ def collectives(hlo_text: str) -> dict[str, dict[str, int]]:
   return found
 
 
-_CONDITIONAL = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.+?)\s+conditional\(", re.M)
+_ALL_REDUCE = re.compile(_HEAD + r"(.+?)\s+all-reduce(?:-start)?\((.*)$", re.M)
+
+
+def all_reduce_origins(hlo_text: str) -> dict[str, int]:
+  """All-reduces by what they reduce, over which replica groups, and the JAX operation that
+  asked for them (``op_name``): "scalars over [4,2]<=[8]: jit(step)/reduce_sum" -> count."""
+  counts: dict[str, int] = {}
+  for shape, rest in _ALL_REDUCE.findall(hlo_text):
+    scalars = all(not dims for dims in re.findall(r"\[([\d,]*)\]", shape))
+    groups = re.search(r"replica_groups=(\{\{.*?\}\}|\S+?)(?:,\s|\s|$)", rest)
+    operation = re.search(r'op_name="([^"]*)"', rest)
+    key = (
+      f"{'scalars' if scalars else 'arrays'} over {groups[1] if groups else '?'}: "
+      f"{operation[1] if operation else '?'}"
+    )
+    counts[key] = counts.get(key, 0) + 1
+  return dict(sorted(counts.items(), key=lambda item: (-item[1], item[0])))
+
+
+_CONDITIONAL = re.compile(_HEAD + r"(.+?)\s+conditional\(", re.M)
 
 
 def conditionals(hlo_text: str) -> list[dict[str, int]]:
@@ -76,59 +97,74 @@ def conditionals(hlo_text: str) -> list[dict[str, int]]:
   return [{"result_bytes": _shape_bytes(shape)} for shape in _CONDITIONAL.findall(hlo_text)]
 
 
-_KERNEL = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*.+?\s+(?:fusion|custom-call)\(.*$", re.M)
+_KERNEL = re.compile(_HEAD + r".+?\s+(?:fusion|custom-call)\(.*$", re.M)
 _FRAME = re.compile(r"stack_frame_id=(\d+)")
 
 
 def program_size(hlo_text: str) -> dict[str, int]:
-  """The optimized program's size, which its compile time follows and which, unlike the time,
-  is deterministic: instructions (fused computations' included) and kernels (fusions and
-  library calls, each emitted and compiled on its own by the GPU compiler)."""
-  instructions = sum(1 for line in hlo_text.splitlines() if " = " in line)
-  return {"instructions": instructions, "kernels": len(_KERNEL.findall(hlo_text))}
+  """The optimized program's size, deterministic where its compile seconds are not: every
+  computation's instructions (fused ones', reducers' and parameters included), and its kernels,
+  the fusions and library calls (a GPU compiler emits and compiles each on its own; a fusion
+  nested in another counts too, and unfused kernels such as collectives and sorts do not)."""
+  return {
+    "instructions": len(_ANY_INSTRUCTION.findall(hlo_text)),
+    "kernels": len(_KERNEL.findall(hlo_text)),
+  }
 
 
-def _stack_tables(hlo_text: str) -> tuple[dict[int, str], dict[int, tuple[int, int]]]:
-  """From the HLO text's trailing tables: each file location's ``file:function``, and each stack
-  frame's (location, parent frame)."""
+def _frame_functions(hlo_text: str) -> dict[int, str]:
+  """Each stack frame's ``file:function``, from the tables that end the HLO text (the frame's
+  own location: the innermost recorded one of the operation that names it)."""
   tables: dict[str, dict[int, str]] = {}
   section = None
   for line in hlo_text.splitlines():
     if line in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
       section = tables.setdefault(line, {})
     elif section is not None and (found := re.match(r"^(\d+) (.*)$", line)):
-      section[int(found[1])] = found[2]
+      section[int(found[1])] = found[2].strip('"')
     else:
       section = None
-  fields = lambda text: {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", text)}
+
+  def field(text: str, name: str) -> int:
+    found = re.search(name + r"=(\d+)", text)
+    return int(found[1]) if found else 0
+
   files, functions = tables.get("FileNames", {}), tables.get("FunctionNames", {})
-  locations = {}
-  for i, text in tables.get("FileLocations", {}).items():
-    f = fields(text)
-    file = files.get(f.get("file_name_id", 0), "?").strip('"')
-    locations[i] = f"{file}:{functions.get(f.get('function_name_id', 0), '?').strip(chr(34))}"
-  frames = {}
-  for i, text in tables.get("StackFrames", {}).items():
-    f = fields(text)
-    frames[i] = (f.get("file_location_id", 0), f.get("parent_frame_id", 0))
-  return locations, frames
+  locations = {
+    i: f"{files.get(field(text, 'file_name_id'), '?')}:"
+    f"{functions.get(field(text, 'function_name_id'), '?')}"
+    for i, text in tables.get("FileLocations", {}).items()
+  }
+  return {
+    i: locations.get(field(text, "file_location_id"), "?")
+    for i, text in tables.get("StackFrames", {}).items()
+  }
 
 
-def kernels_by_origin(hlo_text: str, package: str = "optax_gsam/") -> dict[str, int]:
-  """Kernels of the optimized program by the function of ``package`` that traced each (the
-  innermost on its recorded stack: module and function); "other" for the rest. Reads the stack
-  frames that JAX's lowering records (on by default)."""
-  locations, frames = _stack_tables(hlo_text)
+def kernels_by_origin(hlo_text: str, package_dir: str | None = None) -> dict[str, int]:
+  """Kernels of the optimized program by the package function whose own code traced each.
+
+  The function is the innermost frame JAX recorded for the kernel's operation (jax's own frames
+  are left out): a package module and function under ``package_dir`` (default: the installed
+  optax_gsam's folder), relative to it. A kernel of the user's model counts as "other", even when
+  the package calls the model; "unrecorded" are those whose operation carries no frame.
+  """
+  if package_dir is None:
+    import optax_gsam
+
+    package_dir = os.path.dirname(os.path.abspath(optax_gsam.__file__))
+  prefix = package_dir.rstrip(os.sep) + os.sep
+  functions = _frame_functions(hlo_text)
   counts: dict[str, int] = {}
   for line in _KERNEL.findall(hlo_text):
-    origin, frame, seen = "other", _FRAME.search(line), set()
-    frame_id = int(frame[1]) if frame else 0
-    while frame_id in frames and frame_id not in seen:
-      seen.add(frame_id)
-      location, frame_id = frames[frame_id]
-      where = locations.get(location, "")
-      if package in where and origin == "other":
-        origin = where.split(package, 1)[1]
+    frame = _FRAME.search(line)
+    where = functions.get(int(frame[1])) if frame else None
+    if where is None:
+      origin = "unrecorded"
+    elif where.startswith(prefix):
+      origin = where[len(prefix) :]
+    else:
+      origin = "other"
     counts[origin] = counts.get(origin, 0) + 1
   return dict(sorted(counts.items(), key=lambda item: -item[1]))
 
@@ -157,6 +193,7 @@ def analyse(compiled) -> dict[str, Any]:
   row["conditionals"] = conditionals(hlo)
   row.update(program_size(hlo))
   row["kernels_by_origin"] = kernels_by_origin(hlo)
+  row["all_reduce_origins"] = all_reduce_origins(hlo)
   return row
 
 

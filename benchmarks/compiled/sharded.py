@@ -271,6 +271,7 @@ def run_rows(args, mesh, result) -> list[dict]:
   for name in args.contenders:  # Contender-major: an interrupted run has both dtypes.
     for dtype in args.dtypes:
       row, compiled = compile_row(mesh, args.config, dtype, name, args.per_core_batch)
+      row["code"] = result["code"]  # each row's own: --append keeps rows of earlier code
       del compiled
       if args.dump:
         folder = _file_dump(args.dump, f"{dtype}-{name}")
