@@ -1,4 +1,4 @@
-"""What the TPU compiler reports for one compiled step: memory, cost and collectives in bytes.
+"""What the TPU or GPU compiler reports for one compiled step: memory, cost, collectives and size.
 
 Pure functions of a compiled program (``memory_analysis()``, ``cost_analysis()``) or of its HLO
 text; ``tpu_compile.py`` builds the programs.
@@ -6,6 +6,7 @@ text; ``tpu_compile.py`` builds the programs.
 
 from __future__ import annotations
 
+import collections
 import os
 import re
 from typing import Any
@@ -73,7 +74,7 @@ _ALL_REDUCE = re.compile(_HEAD + r"(.+?)\s+all-reduce(?:-start)?\((.*)$", re.M)
 def all_reduce_origins(hlo_text: str) -> dict[str, int]:
   """All-reduces by what they reduce, over which replica groups, and the JAX operation that
   asked for them (``op_name``): "scalars over [4,2]<=[8]: jit(step)/reduce_sum" -> count."""
-  counts: dict[str, int] = {}
+  counts: collections.Counter[str] = collections.Counter()
   for shape, rest in _ALL_REDUCE.findall(hlo_text):
     scalars = all(not dims for dims in re.findall(r"\[([\d,]*)\]", shape))
     groups = re.search(r"replica_groups=(\{\{.*?\}\}|\S+?)(?:,\s|\s|$)", rest)
@@ -82,8 +83,8 @@ def all_reduce_origins(hlo_text: str) -> dict[str, int]:
       f"{'scalars' if scalars else 'arrays'} over {groups[1] if groups else '?'}: "
       f"{operation[1] if operation else '?'}"
     )
-    counts[key] = counts.get(key, 0) + 1
-  return dict(sorted(counts.items(), key=lambda item: (-item[1], item[0])))
+    counts[key] += 1
+  return dict(counts.most_common())
 
 
 _CONDITIONAL = re.compile(_HEAD + r"(.+?)\s+conditional\(", re.M)
@@ -150,12 +151,12 @@ def kernels_by_origin(hlo_text: str, package_dir: str | None = None) -> dict[str
   the package calls the model; "unrecorded" are those whose operation carries no frame.
   """
   if package_dir is None:
-    import optax_gsam
+    import optax_gsam  # here, not above: the compile scripts set jax's environment before it loads
 
     package_dir = os.path.dirname(os.path.abspath(optax_gsam.__file__))
   prefix = package_dir.rstrip(os.sep) + os.sep
   functions = _frame_functions(hlo_text)
-  counts: dict[str, int] = {}
+  counts: collections.Counter[str] = collections.Counter()
   for line in _KERNEL.findall(hlo_text):
     frame = _FRAME.search(line)
     where = functions.get(int(frame[1])) if frame else None
@@ -165,8 +166,8 @@ def kernels_by_origin(hlo_text: str, package_dir: str | None = None) -> dict[str
       origin = where[len(prefix) :]
     else:
       origin = "other"
-    counts[origin] = counts.get(origin, 0) + 1
-  return dict(sorted(counts.items(), key=lambda item: -item[1]))
+    counts[origin] += 1
+  return dict(counts.most_common())
 
 
 def analyse(compiled) -> dict[str, Any]:

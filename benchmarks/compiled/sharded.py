@@ -184,6 +184,9 @@ TARGETS = (
 )  # fmt: skip
 
 
+_SECONDS = ("compile_s", "compile_cpu_s", "trace_s")
+
+
 def _by_contender(rows: list[dict]) -> dict[str, dict]:
   """Each contender's row; one compiled several times (to time it again) gets the median of its
   compile seconds, its program being the same each time."""
@@ -194,9 +197,6 @@ def _by_contender(rows: list[dict]) -> dict[str, dict]:
     name: {**group[-1], **{k: statistics.median(r[k] for r in group) for k in _SECONDS}}
     for name, group in grouped.items()
   }
-
-
-_SECONDS = ("compile_s", "compile_cpu_s", "trace_s")
 
 
 def targets(rows: list[dict]) -> list[dict]:
