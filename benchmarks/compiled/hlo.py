@@ -148,7 +148,10 @@ def kernels_by_origin(hlo_text: str, package_dir: str | None = None) -> dict[str
   The function is the innermost frame JAX recorded for the kernel's operation (jax's own frames
   are left out): a package module and function under ``package_dir`` (default: the installed
   optax_gsam's folder), relative to it. A kernel of the user's model counts as "other", even when
-  the package calls the model; "unrecorded" are those whose operation carries no frame.
+  the package calls the model; "unrecorded" are those whose operation carries no frame. An
+  executable loaded from JAX's persistent compilation cache carries the frames of the process
+  that compiled it, which may be another checkout's (this folder's ``__init__`` puts source
+  locations in the cache's key for the scripts; a test compiles with the cache off).
   """
   if package_dir is None:
     import optax_gsam  # here, not above: the compile scripts set jax's environment before it loads
