@@ -41,6 +41,7 @@ import functools  # noqa: E402
 
 import jax.numpy as jnp  # noqa: E402
 import pytest  # noqa: E402
+from jax.experimental.compilation_cache import compilation_cache  # noqa: E402
 
 
 @functools.cache
@@ -99,9 +100,15 @@ def data_mesh():
 
 @pytest.fixture(scope="module")
 def no_compilation_cache():
-  """The persistent compilation cache off for a module: the TPU topology compiles (no TPU
-  attached) write entries that a later run cannot load, a warning each time."""
+  """The persistent compilation cache off from the first test that asks to the module's end (set
+  up before the module's own fixtures, which compile). The TPU topology compiles (no TPU attached)
+  write entries that a later run cannot load, a warning each time; a test that reads the source
+  locations of a compiled program must compile it here, since the cache's key leaves them out and
+  an entry may come from another checkout. JAX decides once per process whether it uses the cache
+  (at the first compile), so the flag alone would not turn it off: the cache is reset both ways."""
   enabled = jax.config.jax_enable_compilation_cache
   jax.config.update("jax_enable_compilation_cache", False)
+  compilation_cache.reset_cache()
   yield
   jax.config.update("jax_enable_compilation_cache", enabled)
+  compilation_cache.reset_cache()

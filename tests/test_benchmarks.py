@@ -469,7 +469,18 @@ def test_program_size_and_kernels_by_origin_read_the_optimized_hlo():
     return optax_gsam.stable_global_norm(tree) * jnp.tanh(tree["a"]).sum()
 
   tree = {"a": jnp.ones((64, 32)), "b": jnp.ones(7)}
-  text = jax.jit(step).lower(tree).compile().as_text()
+  cache_events = []
+
+  def listener(event, **_):
+    if "compilation_cache" in event:
+      cache_events.append(event)
+
+  jax.monitoring.register_event_listener(listener)
+  try:
+    text = jax.jit(step).lower(tree).compile().as_text()
+  finally:
+    jax.monitoring.unregister_event_listener(listener)
+  assert not cache_events  # the fixture kept the persistent cache out, even after earlier compiles
   size = hlo.program_size(text)
   origins = hlo.kernels_by_origin(text)
   assert size["kernels"] == text.count(" fusion(") + text.count(" custom-call(") > 0
