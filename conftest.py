@@ -101,11 +101,12 @@ def data_mesh():
 @pytest.fixture(scope="module")
 def no_compilation_cache():
   """The persistent compilation cache off from the first test that asks to the module's end (set
-  up before the module's own fixtures, which compile). The TPU topology compiles (no TPU attached)
-  write entries that a later run cannot load, a warning each time; a test that reads the source
-  locations of a compiled program must compile it here, since the cache's key leaves them out and
-  an entry may come from another checkout. JAX decides once per process whether it uses the cache
-  (at the first compile), so the flag alone would not turn it off: the cache is reset both ways."""
+  up before the module's own fixtures, which compile). The TPU and GPU topology compiles (no
+  device attached) write entries that a later run cannot load, a warning each time; a test that
+  reads the source locations of a compiled program must compile it here, since the cache's key
+  leaves them out and an entry may come from another checkout. JAX decides once per process
+  whether it uses the cache (at its first compile), so the flag alone would not turn it off: the
+  cache is reset both ways."""
   enabled = jax.config.jax_enable_compilation_cache
   jax.config.update("jax_enable_compilation_cache", False)
   compilation_cache.reset_cache()

@@ -32,10 +32,15 @@ def _cuda_plugin_installed():
     return False
 
 
-pytestmark = pytest.mark.skipif(
-  not _cuda_plugin_installed(),
-  reason="jax's CUDA plugin is not installed; pip install -e '.[gpu-compile]' to compile for a GPU",
-)
+pytestmark = [
+  pytest.mark.skipif(
+    not _cuda_plugin_installed(),
+    reason="jax's CUDA plugin is not installed; "
+    "pip install -e '.[gpu-compile]' to compile for a GPU",
+  ),
+  # conftest.py: an executable compiled for a described GPU (none attached) cannot be loaded back.
+  pytest.mark.usefixtures("no_compilation_cache"),
+]
 
 BATCH, SEQ, WIDTH, HIDDEN, DEPTH = 64, 256, 512, 2048, 4
 PARAM_BYTES = 4 * DEPTH * 2 * WIDTH * HIDDEN  # the stacked layers
